@@ -1,0 +1,28 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+# torch is installed first and pinned only if missing (an unpinned install may pull a CUDA build).
+TORCH_VERSION ?= 2.13.0
+NPROC ?= 1
+
+export HF_HUB_OFFLINE ?= 1
+export OMP_NUM_THREADS ?= 1
+# A persistent compile cache keeps torch.compile tests fast after the first run.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+
+.PHONY: install demo test demo-data
+
+.cache/installed: pyproject.toml
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+	$(PYTHON) -m pip install -e '.[test]'
+	mkdir -p .cache && touch $@
+
+install: .cache/installed
+
+demo-data:
+	$(PYTHON) scripts/demo_data.py --out data/demo
+
+demo: install demo-data
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) train.py --config configs/demo.yaml
+
+test: install
+	$(PYTHON) -m pytest -q tests

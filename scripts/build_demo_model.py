@@ -1,0 +1,88 @@
+"""Build the demo's tokenizer and model config into configs/demo/model (committed; rerun to refresh).
+
+    python scripts/build_demo_model.py
+
+A byte-level BPE tokenizer trained with the `tokenizers` library on the demo's own synthetic
+chats (digits split one by one), a ChatML chat template that marks assistant tokens with
+`{% generation %}` and renders tools / tool calls, and a tiny Qwen2 config (random init).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).parent))
+from demo_data import generate  # noqa: E402
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(start=0) -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- set ns.start = 1 -%}{%- endif -%}"
+    "{{- '# Tools\\n' -}}{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages[ns.start:] -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}"
+    "{%- if message.get('content') -%}{{- message['content'] -}}{%- endif -%}"
+    "{%- for call in message.get('tool_calls', []) -%}"
+    "{{- '<tool_call>' + (call['function'] | tojson) + '</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{% endgeneration %}"
+    "{{- '\\n' -}}"
+    "{%- else -%}"
+    "{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def corpus(n: int) -> list[str]:
+    rows, rng = generate(n, seed=1234), random.Random(0)
+    texts = [m["content"] for r in rows for m in r["messages"]]
+    texts += ["system", "user", "assistant", "tool", "# Tools", "<tool_call>", "</tool_call>",
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}', "The weather is sunny."]
+    rng.shuffle(texts)
+    return texts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(Path(__file__).parent.parent / "configs" / "demo" / "model"))
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    args = parser.parse_args()
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(5000), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=CHAT_TEMPLATE)
+    tokenizer.save_pretrained(args.out)
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.save_pretrained(args.out)
+    print(f"wrote tokenizer ({len(tokenizer)} tokens) and config to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

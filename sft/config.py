@@ -1,0 +1,375 @@
+"""The run configuration: one tree of dataclasses, loaded from YAML plus dotted CLI overrides.
+
+The field docstrings (the string literal under each field) are the documentation of every key;
+`python -m sft.config` prints them as the config reference. Precedence: command-line overrides >
+YAML file > defaults below. Everything is validated here, before any process group, model or
+output directory exists, and all problems are reported in one `ConfigError` naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user must fix; the message names the key and the file."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""
+    """Hugging Face hub id (e.g. Qwen/Qwen2.5-7B-Instruct) or a local directory with config.json
+    (and *.safetensors when init=pretrained). Required."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained: load the safetensors weights. random: the architecture's own random init
+    (demo, benchmarks); no weights are read."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or directory; defaults to name_or_path."""
+    trust_remote_code: bool = False
+    """Allow custom modeling code from the hub. Off unless you trust the repository."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers (sdpa, eager, flash_attention_2, ...)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Hub dataset name, or a local .jsonl / .json / .parquet file. Required."""
+    subset: str | None = None
+    """Hub dataset configuration name (the 'subset'), if it has several."""
+    split: str = "train"
+    """Split to train on."""
+    max_samples: int | None = None
+    """Keep only the first N rows (after the seeded shuffle)."""
+    eval_path: str | None = None
+    """Optional separate held-out file or hub dataset (same format as path)."""
+    eval_fraction: float = 0.0
+    """Fraction of the rows held out for eval loss when eval_path is not given (0 = none)."""
+    max_seq_len: int = 2048
+    """Samples are truncated to this many tokens."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Which assistant turns are supervised."""
+    pad_to: Literal["longest", "max_seq_len"] = "longest"
+    """Right-pad each micro-batch to its longest sample, or always to max_seq_len (benchmarks)."""
+    pad_to_multiple_of: int = 64
+    """Round padded lengths up to a multiple of this, so compiled blocks see few shapes."""
+    num_proc: int = 1
+    """Processes for tokenisation (datasets.map)."""
+    cache_dir: str | None = None
+    """datasets cache directory (tokenised data is cached there; a rerun starts fast)."""
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    run_name: str = "sft"
+    """The run directory is output_dir/run_name."""
+    seed: int = 0
+    """Seeds data order, random init and every RNG."""
+    epochs: int = 1
+    """Passes over the training data (ignored when max_steps is set)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps."""
+    micro_batch_size: int = 1
+    """Sequences per GPU (per rank) per forward/backward."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step. Global batch = micro_batch_size x grad_accum_steps x ranks."""
+    overwrite: bool = False
+    """Allow writing into a run directory that already holds a finished run."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the cosine decay."""
+    warmup_ratio: float = 0.0
+    """Fraction of the optimizer steps spent in linear warmup."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    decay_norms_and_biases: bool = False
+    """Also apply weight decay to 1-D parameters (norm weights, biases). Usually off."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value (null = no clipping; the norm is still logged)."""
+
+
+@dataclass
+class FSDPConfig:
+    param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Compute dtype of the all-gathered parameters. Master weights are always float32."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter. bfloat16 halves traffic at some precision cost."""
+    reshard_after_forward: bool = True
+    """Free gathered blocks after their forward (ZeRO-3). False keeps them until backward (≈ZeRO-2)."""
+
+
+@dataclass
+class ACConfig:
+    ratio: float = 0.0
+    """Fraction of decoder blocks wrapped in activation checkpointing, spread evenly over depth
+    (0 = none, 1 = all). See sft/parallel.py:ac_block_indices for the exact blocks."""
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False
+    """torch.compile each decoder block (after activation checkpointing, before FSDP)."""
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Compute the held-out loss every N optimizer steps (0 = only before and after training)."""
+
+
+@dataclass
+class LoggingConfig:
+    every_steps: int = 1
+    """Print a log line every N optimizer steps."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ac: ACConfig = field(default_factory=ACConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.output_dir) / self.train.run_name
+
+
+def _range_checks(cfg: Config) -> list[str]:
+    """Cross-field and value checks; each entry is 'key=value: what is wrong and what to do'."""
+    problems = []
+
+    def check(ok: bool, key: str, value: Any, why: str) -> None:
+        if not ok:
+            problems.append(f"{key}={value!r}: {why}")
+
+    check(bool(cfg.model.name_or_path), "model.name_or_path", cfg.model.name_or_path,
+          "required: a hub id or a local model directory")
+    check(bool(cfg.data.path), "data.path", cfg.data.path,
+          "required: a hub dataset name or a local .jsonl/.json/.parquet file")
+    check(0.0 <= cfg.ac.ratio <= 1.0, "ac.ratio", cfg.ac.ratio, "must be in [0, 1]")
+    check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
+    check(0 <= cfg.optim.min_lr <= cfg.optim.lr, "optim.min_lr", cfg.optim.min_lr, "must be in [0, optim.lr]")
+    check(0.0 <= cfg.optim.warmup_ratio < 1.0, "optim.warmup_ratio", cfg.optim.warmup_ratio, "must be in [0, 1)")
+    check(cfg.optim.weight_decay >= 0, "optim.weight_decay", cfg.optim.weight_decay, "must be >= 0")
+    check(all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas", cfg.optim.betas, "each must be in [0, 1)")
+    check(cfg.optim.eps > 0, "optim.eps", cfg.optim.eps, "must be > 0")
+    check(cfg.optim.clip_grad_norm is None or cfg.optim.clip_grad_norm > 0, "optim.clip_grad_norm",
+          cfg.optim.clip_grad_norm, "must be > 0, or null to disable clipping")
+    check(cfg.train.grad_accum_steps >= 1, "train.grad_accum_steps", cfg.train.grad_accum_steps, "must be >= 1")
+    check(cfg.train.micro_batch_size >= 1, "train.micro_batch_size", cfg.train.micro_batch_size, "must be >= 1")
+    check(cfg.train.epochs >= 1, "train.epochs", cfg.train.epochs, "must be >= 1")
+    check(cfg.train.max_steps is None or cfg.train.max_steps >= 1, "train.max_steps", cfg.train.max_steps,
+          "must be >= 1, or null to train for train.epochs")
+    check(bool(cfg.train.run_name) and "/" not in cfg.train.run_name, "train.run_name", cfg.train.run_name,
+          "must be a non-empty directory name without '/'")
+    check(cfg.data.max_seq_len >= 2, "data.max_seq_len", cfg.data.max_seq_len, "must be >= 2")
+    check(cfg.data.pad_to_multiple_of >= 1, "data.pad_to_multiple_of", cfg.data.pad_to_multiple_of, "must be >= 1")
+    check(cfg.data.max_samples is None or cfg.data.max_samples >= 1, "data.max_samples", cfg.data.max_samples,
+          "must be >= 1, or null for all rows")
+    check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
+    check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
+    check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
+    check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and _looks_like_local_file(value):
+            check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
+    return problems
+
+
+def _looks_like_local_file(path: str) -> bool:
+    return path.endswith((".jsonl", ".json", ".parquet")) or path.startswith(("/", "./", "../"))
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Return `value` converted to `annotation`, or raise TypeError saying what was expected."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except TypeError as e:
+                errors.append(str(e))
+        raise TypeError(" or ".join(errors) + (" or null" if type(None) in args else ""))
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise TypeError(f"one of {list(choices)}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise TypeError(f"a list of {len(args)} values")
+        return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise TypeError("true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError("an integer")
+        return value
+    if annotation is float:
+        # YAML 1.1 reads `1e-5` as a string; accept any number written in Python syntax.
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise TypeError("a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError("a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise TypeError("a string")
+        return value
+    raise AssertionError(f"unsupported config annotation {annotation!r} for {key}")
+
+
+def _build_section(cls: type, values: dict, prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            problems.append(f"{dotted}: unknown key (valid keys{' in ' + prefix[:-1] if prefix else ''}: "
+                            f"{', '.join(names)})")
+            continue
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, dict):
+                problems.append(f"{dotted}: must be a mapping of keys ({', '.join(f.name for f in dataclasses.fields(annotation))})")
+                continue
+            kwargs[key] = _build_section(annotation, value, f"{dotted}.", problems)
+            continue
+        try:
+            kwargs[key] = _coerce(value, annotation, dotted)
+        except TypeError as e:
+            problems.append(f"{dotted}={value!r}: expected {e}")
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML at `path` (may be None), apply `key.sub=value` overrides, validate, return Config."""
+    source = str(path) if path else "<defaults>"
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {source} not found")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (model:, data:, ...)")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: write overrides as section.key=value (e.g. ac.ratio=0.5)")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    problems: list[str] = []
+    cfg = _build_section(Config, tree, "", problems)
+    if not problems:
+        problems = _range_checks(cfg)
+    if problems:
+        where = source + (f" with overrides {list(overrides)}" if overrides else "")
+        raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: plain(v) for k, v in obj.items()}
+        if isinstance(obj, tuple):
+            return list(obj)
+        return obj
+
+    return yaml.safe_dump(plain(dataclasses.asdict(cfg)), sort_keys=False)
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """`--config path.yaml key.sub=value ...` -> validated Config."""
+    parser = argparse.ArgumentParser(description="Full-parameter SFT with FSDP2.")
+    parser.add_argument("--config", required=True, help="YAML file (see configs/ and `python -m sft.config`)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ac.ratio=0.5 optim.lr=2e-5")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Map field name -> the docstring literal that follows it in the class body."""
+    docs: dict[str, str] = {}
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def reference_markdown() -> str:
+    """The config reference table (README section), generated from the dataclasses."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[section.name]
+        docs = field_docs(cls)
+        lines += [f"### `{section.name}`", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"| `{section.name}.{f.name}` | `{default!r}` | {docs.get(f.name, '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        print(to_yaml(load_config(sys.argv[1], sys.argv[2:])), end="")
+    else:
+        print(reference_markdown())

@@ -1,0 +1,202 @@
+"""Chat data: load rows with `datasets`, normalise the three formats, tokenise with labels, batch.
+
+Formats (detected from the columns):
+* OpenAI `messages`: [{role, content, tool_calls?}], roles system/user/assistant/tool, optional
+  `tools` column (list of JSON schemas, or a JSON string of one).
+* ShareGPT `conversations`: [{from, value}] with from in system/human/gpt/tool (and the aliases
+  below).
+* `prompt` / `completion`: strings (one user turn, one assistant turn), or lists of messages.
+
+Tokenisation runs through `datasets.map`, so it is cached on disk and a rerun starts at once.
+Rank 0 tokenises first; the other ranks then read its cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
+
+from sft.config import DataConfig
+from sft.distributed import log0
+from sft.masking import DropSample, tokenize_conversation
+
+# Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
+datasets.disable_progress_bars()
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "tool": "tool", "function_call": "assistant",
+                  "observation": "tool", "function": "tool"}
+
+
+class DataError(ValueError):
+    """The dataset cannot be used as configured; the message names the file/key and the fix."""
+
+
+def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None, key: str) -> datasets.Dataset:
+    local = Path(path)
+    try:
+        if local.suffix in (".jsonl", ".json", ".parquet"):
+            if not local.is_file():
+                raise DataError(f"{key}={path!r}: file not found")
+            builder = "parquet" if local.suffix == ".parquet" else "json"
+            rows = datasets.load_dataset(builder, data_files=str(local), split="train", cache_dir=cache_dir)
+        else:
+            rows = datasets.load_dataset(path, subset, split=split, cache_dir=cache_dir)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types (hub, parsing, missing split)
+        raise DataError(f"{key}={path!r}: could not load the dataset: {type(e).__name__}: {e}") from None
+    if len(rows) == 0:
+        raise DataError(f"{key}={path!r}: the dataset is empty")
+    return rows
+
+
+def detect_format(columns: list[str], source: str) -> str:
+    for fmt, needed in (("messages", {"messages"}), ("conversations", {"conversations"}),
+                        ("prompt_completion", {"prompt", "completion"})):
+        if needed <= set(columns):
+            return fmt
+    raise DataError(f"{source}: no 'messages', 'conversations' or 'prompt'+'completion' column "
+                    f"(found: {', '.join(columns)}); see README 'Data formats'")
+
+
+def _drop_nulls(value: Any) -> Any:
+    # Arrow unifies the keys of all rows' structs and fills the missing ones with None;
+    # the chat template must see each message as it was written.
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
+    """One row -> (OpenAI-style messages, tools). Raises DropSample on malformed rows."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError:
+            raise DropSample("the tools column is not valid JSON") from None
+    if fmt == "messages":
+        messages = row["messages"]
+    elif fmt == "conversations":
+        messages = []
+        for turn in row["conversations"] or []:
+            if not isinstance(turn, dict) or turn.get("from") not in SHAREGPT_ROLES:
+                raise DropSample(f"unknown ShareGPT role {turn.get('from') if isinstance(turn, dict) else turn!r}")
+            messages.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn.get("value")})
+    else:
+        prompt, completion = row["prompt"], row["completion"]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        completion = [{"role": "assistant", "content": completion}] if isinstance(completion, str) else completion
+        if not isinstance(prompt, list) or not isinstance(completion, list):
+            raise DropSample("prompt/completion must be strings or lists of messages")
+        messages = prompt + completion
+    return _drop_nulls(messages), _drop_nulls(tools) if tools else None
+
+
+def _tokenize_row(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
+                  last_turn_only: bool) -> dict:
+    try:
+        messages, tools = to_messages(row, fmt)
+        ids, labels = tokenize_conversation(tokenizer, messages, tools, max_seq_len, last_turn_only)
+        return {"input_ids": ids, "labels": labels, "drop_reason": ""}
+    except DropSample as e:
+        return {"input_ids": [], "labels": [], "drop_reason": str(e)}
+
+
+def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
+              source: str, split_name: str) -> datasets.Dataset:
+    fmt = detect_format(rows.column_names, source)
+    kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
+                  last_turn_only=cfg.train_on == "last_assistant")
+
+    def run() -> datasets.Dataset:
+        return rows.map(_tokenize_row, fn_kwargs=kwargs, remove_columns=rows.column_names,
+                        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                        desc=f"tokenising {split_name}")
+
+    # Rank 0 fills the datasets cache; the others then load it instead of tokenising again.
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+    tokenized = run()
+    if dist.is_initialized() and dist.get_rank() == 0:
+        dist.barrier()
+
+    reasons = Counter(tokenized["drop_reason"])
+    kept = reasons.pop("", 0)
+    for reason, count in reasons.most_common():
+        first = tokenized["drop_reason"].index(reason)
+        log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: row {first})")
+    if kept == 0:
+        raise DataError(f"{source}: every {split_name} sample was dropped "
+                        f"({'; '.join(f'{n}x {r}' for r, n in reasons.items())}); nothing to train on")
+    return tokenized.filter(lambda r: r == "", input_columns="drop_reason").remove_columns("drop_reason")
+
+
+def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Return (train, eval or None) with columns input_ids, labels."""
+    rows = _load_rows(cfg.path, cfg.subset, cfg.split, cfg.cache_dir, "data.path").shuffle(seed=seed)
+    if cfg.max_samples is not None:
+        rows = rows.select(range(min(cfg.max_samples, len(rows))))
+    eval_rows = None
+    if cfg.eval_path:
+        eval_rows = _load_rows(cfg.eval_path, cfg.subset, cfg.split, cfg.cache_dir, "data.eval_path")
+    elif cfg.eval_fraction > 0:
+        parts = rows.train_test_split(test_size=cfg.eval_fraction, seed=seed)
+        rows, eval_rows = parts["train"], parts["test"]
+    train = _tokenize(rows, tokenizer, cfg, f"data.path={cfg.path}", "train")
+    evals = _tokenize(eval_rows, tokenizer, cfg, f"data.eval={cfg.eval_path or cfg.path}", "eval") \
+        if eval_rows is not None else None
+    return train, evals
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_samples: int, seed: int) -> torch.Tensor:
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class StepSampler:
+    """Which samples each rank trains on at each optimizer step: a pure function of the step.
+
+    Each epoch is a seeded permutation of the training set cut into global batches of
+    micro_batch_size x grad_accum_steps x world_size samples (the incomplete tail is dropped);
+    rank r takes its contiguous share and splits it into grad_accum_steps micro-batches. Because
+    the order depends only on (seed, step, global batch), resuming needs only the step number,
+    and a resumed run on another number of ranks with the same global batch sees the same samples.
+    """
+
+    num_samples: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    rank: int
+    world_size: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = _epoch_order(self.num_samples, self.seed + epoch)
+        per_rank = self.micro_batch_size * self.grad_accum_steps
+        start = k * self.global_batch + self.rank * per_rank
+        mine = order[start : start + per_rank].tolist()
+        return [mine[i : i + self.micro_batch_size] for i in range(0, per_rank, self.micro_batch_size)]

@@ -1,0 +1,63 @@
+"""Process-group setup and rank-aware helpers. One code path for 1 and N ranks.
+
+`python train.py` without torchrun runs as a world of size 1, so FSDP2 and every collective
+behave exactly as under torchrun; there is no separate single-process branch to keep correct.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistEnv:
+    """Join the torchrun world (or create a world of one); NCCL on GPUs, gloo on CPU."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return DistEnv(rank, local_rank, world_size, device)
+
+
+def log0(*parts: object) -> None:
+    """Print on rank 0 only, with a timestamp, flushed (Slurm logs are files)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(time.strftime("[%H:%M:%S]"), *parts, flush=True)
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small vector of numbers over all ranks (float64, so token counts stay exact)."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t

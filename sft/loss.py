@@ -1,0 +1,110 @@
+"""The SFT loss: summed token cross-entropy / supervised tokens of the whole optimizer step.
+
+Per step, every rank counts the supervised tokens of all its micro-batches, one all-reduce makes
+that the global count N, and each micro-batch backpropagates sum(CE) / N. FSDP then *sums*
+gradients over ranks (divide factor 1, sft/parallel.py), so the gradient is exactly that of the
+token-weighted mean over the global batch, however tokens fall across micro-batches and ranks.
+
+The lm_head and cross-entropy run only on supervised positions, in row chunks, with the
+gradients computed in the same pass (`LinearCrossEntropy`): no [tokens x vocab] float32 logits
+are ever stored, and the lm_head weight is gathered once per forward (it lives in the root FSDP
+unit, which stays unsharded while `sft_loss` runs).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+from transformers import PreTrainedModel
+
+from sft.distributed import all_reduce_sum
+from sft.masking import IGNORE_INDEX
+
+# Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
+_LOGITS_PER_CHUNK = 2**28
+
+
+def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and optionally its gradients."""
+    chunk = max(1, _LOGITS_PER_CHUNK // weight.shape[0])
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+    for start in range(0, hidden.shape[0], chunk):
+        h, t = hidden[start : start + chunk], targets[start : start + chunk]
+        logits = (h @ weight.T).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+        if with_grads:
+            # d CE / d logits = softmax - onehot
+            grad_logits = torch.exp_(logits.sub_(lse[:, None]))
+            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            grad_logits = grad_logits.to(hidden.dtype)
+            grad_hidden[start : start + chunk] = grad_logits @ weight
+            grad_weight += (grad_logits.T @ h).float()
+    return total, grad_hidden, grad_weight
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Autograd wrapper: the gradients are formed during forward, chunk by chunk, and replayed."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, with_grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), None
+
+
+def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor,
+              position_ids: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over supervised tokens (labels unshifted, HF convention)."""
+    hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    targets = labels[:, 1:]
+    supervised = targets != IGNORE_INDEX
+    args = (hidden[:, :-1][supervised], self.get_output_embeddings().weight, targets[supervised])
+    if torch.is_grad_enabled():
+        return LinearCrossEntropy.apply(*args)
+    return _chunked_cross_entropy(*args, with_grads=False)[0]
+
+
+def attach_sft_loss(model: PreTrainedModel) -> None:
+    """Give the (FSDP-sharded) model an `sft_loss(input_ids, labels, position_ids)` method.
+
+    Registered as an FSDP forward method so the root unit's parameters (embeddings, final norm,
+    lm_head) are gathered around it exactly as around `forward`.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"{type(model).__name__}: the output layer is not a bias-free Linear; unsupported")
+    for key in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, key, None):
+            raise ValueError(f"{type(model).__name__}: config.{key} post-processes logits; unsupported")
+    model.sft_loss = types.MethodType(_sft_loss, model)
+    register_fsdp_forward_method(model, "sft_loss")
+
+
+def count_supervised(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]],
+                     device: torch.device) -> tuple[torch.Tensor, float]:
+    """Accumulate one optimizer step's gradients; return (this rank's CE sum, global token count)."""
+    # One all-reduce of the count before any backward: every micro-batch on every rank is
+    # divided by the same global number of supervised tokens.
+    num_tokens = all_reduce_sum([sum(count_supervised(b) for b in micro_batches)], device)[0].item()
+    ce_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for batch in micro_batches:
+        loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        (loss / num_tokens).backward()
+        ce_sum += loss.detach()
+    return ce_sum, num_tokens

@@ -1,0 +1,166 @@
+"""Memory-safe model construction: build on meta, (shard elsewhere), materialise shards, fill them.
+
+No rank ever holds a full copy of the weights. The model is built on the meta device in float32
+(so the sharded master weights are float32 from the start, and no whole-model cast is needed);
+`accelerate.init_empty_weights` keeps buffers such as rotary `inv_freq` real and float32. After
+`fully_shard`, `to_empty` gives each rank storage for its own shards only, and every rank reads
+just its own slice of each tensor:
+
+* pretrained: straight from the safetensors files (`safe_open(...).get_slice`), so each rank reads
+  1/world of the checkpoint and no collective is needed;
+* random: each parameter-holding module is initialised in full on the device by the
+  architecture's own `_init_weights`, seeded by its name, one module at a time; the rank keeps its
+  slice. The values are independent of the number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from sft.config import ModelConfig
+
+# Wrappers that activation checkpointing and torch.compile insert into parameter names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+class ModelError(ValueError):
+    """The model or tokenizer cannot be used as configured; the message names the fix."""
+
+
+def clean_name(name: str) -> str:
+    """Parameter/buffer name as in the Hugging Face checkpoint (wrapper prefixes removed)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    source = cfg.tokenizer or cfg.name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise ModelError(f"model.tokenizer={source!r}: could not load a tokenizer: {e}") from None
+    if not tokenizer.chat_template:
+        raise ModelError(f"model.tokenizer={source!r} has no chat template; use an instruct model's "
+                         "tokenizer or add chat_template to its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        # Pads are never attended to by real tokens nor trained, so any id will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The model with parameters on the meta device (float32) and real float32 buffers."""
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json: {e}") from None
+    config.use_cache = False  # no KV cache while training (and packing relies on it being off)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation,
+                                                 trust_remote_code=cfg.trust_remote_code)
+    model.tie_weights()  # from_config under init_empty_weights leaves tied embeddings as two tensors
+    return model
+
+
+def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
+    """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks "
+                         f"(_no_split_modules={sorted(names)}); this architecture is not supported")
+    return blocks
+
+
+def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the (real, non-meta) buffers, to restore after `to_empty` overwrote them."""
+    return {clean_name(n): b.detach().clone() for n, b in model.named_buffers()}
+
+
+class SafetensorsWeights:
+    """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
+
+    def __init__(self, directory: str):
+        root = Path(directory)
+        if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
+            root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (root / "model.safetensors").is_file():
+            with safe_open(root / "model.safetensors", framework="pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
+                             "download the weights (huggingface-cli download) or set model.init: random")
+        self.root, self.weight_map = root, weight_map
+        self._files: dict[str, object] = {}
+
+    def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ModelError(f"{self.root}: checkpoint has no tensor {name!r}; is it the same architecture "
+                             "as its config.json?")
+        file = self.weight_map[name]
+        if file not in self._files:
+            self._files[file] = safe_open(self.root / file, framework="pt", device="cpu")
+        return self._files[file].get_slice(name)[index].to(device)
+
+
+class RandomWeights:
+    """The architecture's own random init, one module at a time, seeded by module name."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        self.reference = build_meta_model(cfg)
+        self.seed = seed
+        self._module_name: str | None = None
+
+    def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        module_name, _, param_name = name.rpartition(".")
+        module = self.reference.get_submodule(module_name)
+        if module_name != self._module_name:
+            if self._module_name is not None:  # free the previous module's full tensors
+                self.reference.get_submodule(self._module_name).to_empty(device="meta", recurse=False)
+            module.to_empty(device=device, recurse=False)
+            torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
+            self.reference._init_weights(module)
+            self._module_name = module_name
+        return getattr(module, param_name).detach()[index]
+
+
+def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, device: torch.device) -> None:
+    """Fill every (sharded) parameter of `model` with its slice; float32 master copies."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                      param.placements)
+                local = param.to_local()
+            else:
+                shape, offset, local = param.shape, (0,) * param.dim(), param
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            local.copy_(weights.read(clean_name(name), index, device))
+
+
+def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Tensor], device: torch.device,
+                seed: int) -> None:
+    """Allocate this rank's shards on `device`, restore buffers, then load or randomly init weights."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[clean_name(name)])
+    weights = SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
+    load_weights(model, weights, device)
+    assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"

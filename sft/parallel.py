@@ -1,0 +1,85 @@
+"""Parallelise a meta-device model, in the fixed order: activation checkpointing -> compile -> FSDP2.
+
+The order matters: the checkpoint wrapper must be inside the compiled region so compile sees
+(and can optimise) the recomputation, and `fully_shard` goes last so its hooks wrap the compiled
+block from outside (TorchTitan's order).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from sft.config import FSDPConfig
+from sft.distributed import log0
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
+    """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
+
+    Block i (1-based) is picked when i * ratio reaches the next threshold 0.5, 1.5, 2.5, ...
+    (IBM fms-fsdp's rule), so about round(num_blocks * ratio) blocks are picked, evenly spaced.
+    For 8 blocks: 0 -> [], 0.25 -> [1, 5], 0.5 -> [0, 2, 4, 6], 0.75 -> [0, 1, 3, 4, 5, 7], 1 -> all.
+    """
+    picked, threshold = [], 0.5
+    for i in range(1, num_blocks + 1):
+        if ratio > 0 and i * ratio >= threshold:
+            picked.append(i - 1)
+            threshold += 1
+    return picked
+
+
+def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return
+    raise AssertionError("block not found in model")
+
+
+def apply_ac(model: nn.Module, blocks: list[nn.Module], ratio: float) -> list[nn.Module]:
+    """Wrap the chosen blocks in non-reentrant activation checkpointing; returns the new block list."""
+    chosen = set(ac_block_indices(len(blocks), ratio))
+    wrapped = []
+    for i, block in enumerate(blocks):
+        if i in chosen:
+            new = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            _replace_module(model, block, new)
+            block = new
+        wrapped.append(block)
+    log0(f"applied activation checkpointing to {len(chosen)}/{len(blocks)} blocks: {sorted(chosen)}")
+    return wrapped
+
+
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """Compile each block in place (no `_orig_mod.` in names). Blocks are identical, so one
+    compiled graph serves them all; lengths are bucketed by the collate to limit recompiles."""
+    for block in blocks:
+        block.compile()
+    log0(f"applied torch.compile to {len(blocks)} blocks")
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: FSDPConfig) -> None:
+    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head).
+
+    Tied input/output embeddings are one parameter and both live in the root unit. The gradient
+    divide factor is 1 on every unit: the loss is already divided by the global count of
+    supervised tokens (sft/loss.py), so FSDP must sum, not average, over ranks.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM instead of NCCL's PREMUL_SUM(1): the same result, and gloo supports it.
+            module.set_force_sum_reduction_for_comms(True)
+    log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
+         f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")

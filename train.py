@@ -1,0 +1,139 @@
+"""Full-parameter supervised fine-tuning of a Hugging Face causal LM with FSDP2.
+
+    python train.py --config configs/demo.yaml                    # one process (CPU or one GPU)
+    torchrun --nproc_per_node 8 train.py --config configs/qwen7b.yaml optim.lr=2e-5
+    sbatch slurm/train.slurm configs/qwen72b.yaml                 # many nodes
+
+The recipe, top to bottom: config -> distributed init -> data -> model on the meta device ->
+activation checkpointing -> per-block compile -> FSDP2 -> materialise + load weights ->
+optimizer -> training loop with held-out eval. The machinery lives in sft/, one concern a module.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from sft.collate import collate
+from sft.config import parse_args, to_yaml
+from sft.data import StepSampler, load_sft_data
+from sft.distributed import all_reduce_sum, init_distributed, log0
+from sft.evaluate import evaluate
+from sft.loss import attach_sft_loss, forward_backward
+from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.optim import build_optimizer, build_scheduler
+from sft.parallel import apply_ac, apply_compile, apply_fsdp
+
+
+def main(argv: list[str] | None = None) -> None:
+    # Config first: a typo fails here, before any process group, model or directory exists.
+    cfg = parse_args(argv)
+    env = init_distributed()
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+    run_dir = cfg.run_dir
+    if env.is_main:
+        if (run_dir / "finished").exists() and not cfg.train.overwrite:
+            raise SystemExit(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "finished").unlink(missing_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
+    dist.barrier()
+
+    # Data before the model: bad data fails fast, before the expensive part.
+    tokenizer = load_tokenizer(cfg.model)
+    train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
+    sampler = StepSampler(len(train_data), cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                          env.rank, env.world_size, cfg.train.seed)
+    if sampler.steps_per_epoch == 0:
+        raise SystemExit(f"{len(train_data)} training samples < one global batch of {sampler.global_batch}; "
+                         "lower train.micro_batch_size or train.grad_accum_steps")
+    total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
+    log0(f"data: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples, "
+         f"global batch {sampler.global_batch}, {total_steps} steps")
+
+    def make_batch(dataset, indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+        """Collated micro-batch and its number of real (non-pad) tokens."""
+        rows = dataset[indices]
+        samples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
+        batch = collate(samples, tokenizer.pad_token_id, cfg.data.max_seq_len, cfg.data.pad_to_multiple_of,
+                        pad_to_max=cfg.data.pad_to == "max_seq_len")
+        return batch, sum(len(i) for i in rows["input_ids"])
+
+    # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
+    # shard by shard, so no rank ever holds the full weights.
+    model = build_meta_model(cfg.model)
+    buffers = real_buffers(model)
+    blocks = apply_ac(model, decoder_blocks(model), cfg.ac.ratio)
+    if cfg.compile.enabled:
+        apply_compile(blocks)
+    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    apply_fsdp(model, blocks, mesh, cfg.fsdp)
+    materialize(model, cfg.model, buffers, env.device, cfg.train.seed)
+    attach_sft_loss(model)
+    model.train()
+    num_params = sum(p.numel() for p in model.parameters())
+    log0(f"model: {type(model).__name__}, {num_params / 1e6:.1f}M parameters, init={cfg.model.init}")
+
+    optimizer = build_optimizer(model, cfg.optim, env.device)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+
+    metrics = open(run_dir / "metrics.jsonl", "w") if env.is_main else None
+
+    def record(entry: dict) -> None:
+        if metrics:
+            metrics.write(json.dumps(entry) + "\n")
+            metrics.flush()
+
+    def run_eval(step: int) -> float | None:
+        if eval_data is None:
+            return None
+        loss = evaluate(model, eval_data, cfg.train.micro_batch_size, lambda i: make_batch(eval_data, i)[0], env)
+        log0(f"step {step}: eval loss {loss:.4f}")
+        record({"step": step, "eval_loss": loss})
+        return loss
+
+    first_eval = run_eval(0)
+    last_eval = first_eval
+    for step in range(1, total_steps + 1):
+        t0 = time.perf_counter()
+        micro_batches, token_counts = zip(*(make_batch(train_data, i) for i in sampler.micro_batches(step - 1)))
+        tokens = sum(token_counts)
+        ce_sum, supervised = forward_backward(model, micro_batches, env.device)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm or float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        ce_total, tokens_total = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
+        step_time = time.perf_counter() - t0
+        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm.item(), "lr": lr,
+                 "supervised_tokens": int(supervised), "tokens": int(tokens_total), "step_time": step_time}
+        record(entry)
+        if step % cfg.logging.every_steps == 0 or step == total_steps:
+            log0(f"step {step}/{total_steps} | loss {entry['loss']:.4f} | grad norm {entry['grad_norm']:.3f} | "
+                 f"lr {lr:.2e} | {tokens_total / step_time / env.world_size:,.0f} tok/s/rank | {step_time:.2f} s")
+        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
+            last_eval = run_eval(step)
+    if eval_data is not None:
+        last_eval = run_eval(total_steps)
+        log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
+    if env.is_main:
+        metrics.close()
+        (run_dir / "finished").touch()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
