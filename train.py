@@ -22,14 +22,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from sft.collate import collate
-from sft.config import parse_args, to_yaml
-from sft.data import StepSampler, load_sft_data
+from sft.config import ConfigError, parse_args, to_yaml
+from sft.data import DataError, StepSampler, load_sft_data
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
 from sft.loss import attach_sft_loss, forward_backward
-from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.model import ModelError, build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.optim import build_optimizer, build_scheduler
-from sft.parallel import apply_ac, apply_compile, apply_fsdp
+from sft.parallel import parallelize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,11 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     # shard by shard, so no rank ever holds the full weights.
     model = build_meta_model(cfg.model)
     buffers = real_buffers(model)
-    blocks = apply_ac(model, decoder_blocks(model), cfg.ac.ratio)
-    if cfg.compile.enabled:
-        apply_compile(blocks)
     mesh = init_device_mesh(env.device.type, (env.world_size,))
-    apply_fsdp(model, blocks, mesh, cfg.fsdp)
+    parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
     materialize(model, cfg.model, buffers, env.device, cfg.train.seed)
     attach_sft_loss(model)
     model.train()
@@ -136,4 +133,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        main()
+    except (ConfigError, DataError, ModelError) as e:
+        # Bad input: one clear message, no traceback, non-zero exit so the scheduler sees it.
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

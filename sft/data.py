@@ -47,6 +47,8 @@ def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None,
         if local.suffix in (".jsonl", ".json", ".parquet"):
             if not local.is_file():
                 raise DataError(f"{key}={path!r}: file not found")
+            if local.stat().st_size == 0:
+                raise DataError(f"{key}={path!r}: the dataset is empty")
             builder = "parquet" if local.suffix == ".parquet" else "json"
             rows = datasets.load_dataset(builder, data_files=str(local), split="train", cache_dir=cache_dir)
         else:

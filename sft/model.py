@@ -158,6 +158,9 @@ def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Ten
                 seed: int) -> None:
     """Allocate this rank's shards on `device`, restore buffers, then load or randomly init weights."""
     model.to_empty(device=device)
+    # to_empty gives every parameter new storage, which unties tied embeddings on an unsharded
+    # model (FSDP2 keeps one shared parameter); re-tie before loading so one tensor is filled.
+    model.tie_weights()
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[clean_name(name)])

@@ -83,3 +83,12 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
             module.set_force_sum_reduction_for_comms(True)
     log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
          f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
+
+
+def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac_ratio: float,
+                compile_blocks: bool, fsdp: FSDPConfig) -> None:
+    """AC -> compile -> FSDP on a meta-device model (see the module docstring for why this order)."""
+    blocks = apply_ac(model, blocks, ac_ratio)
+    if compile_blocks:
+        apply_compile(blocks)
+    apply_fsdp(model, blocks, mesh, fsdp)

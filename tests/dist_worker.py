@@ -1,0 +1,88 @@
+"""Run under torchrun by the distributed tests: one optimizer step on a fixed global batch.
+
+Writes {"loss", "grads", ...} from rank 0 to --out. With --reference it instead runs the plain
+Hugging Face model (no FSDP, one process) on the whole global batch with HF's own loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from helpers import synthetic_global_batch
+from sft.collate import collate
+from sft.config import FSDPConfig, ModelConfig, OptimConfig
+from sft.distributed import all_reduce_sum, init_distributed
+from sft.loss import attach_sft_loss, forward_backward
+from sft.model import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
+from sft.optim import build_optimizer
+from sft.parallel import parallelize
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--param-dtype", default="float32")
+    p.add_argument("--ac-ratio", type=float, default=0.0)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--reference", action="store_true")
+    args = p.parse_args()
+
+    env = init_distributed()
+    torch.manual_seed(0)
+    samples = synthetic_global_batch(args.global_batch)
+    model_cfg = ModelConfig(name_or_path=args.model, init="random")
+    model = build_meta_model(model_cfg)
+    buffers = real_buffers(model)
+    result: dict = {}
+
+    if args.reference:
+        materialize(model, model_cfg, buffers, env.device, seed=0)
+        batch = collate(samples, pad_token_id=0, max_seq_len=4096)
+        loss = model(**batch).loss
+        loss.backward()
+        result["loss"] = loss.item()
+        named = dict(model.named_parameters())
+    else:
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        parallelize(model, decoder_blocks(model), mesh, args.ac_ratio, args.compile,
+                    FSDPConfig(param_dtype=args.param_dtype))
+        materialize(model, model_cfg, buffers, env.device, seed=0)
+        attach_sft_loss(model)
+        per_rank = args.global_batch // env.world_size
+        mine = samples[env.rank * per_rank : (env.rank + 1) * per_rank]
+        micro = per_rank // args.grad_accum
+        batches = [collate(mine[i : i + micro], 0, 4096) for i in range(0, per_rank, micro)]
+        ce_sum, num_tokens = forward_backward(model, batches, env.device)
+        result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens
+        named = dict(model.named_parameters())
+        result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        result["grad_norm"] = full(norm).item()
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-3), env.device)
+        optimizer.step()
+        result["moment_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
+                                          for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")})
+        head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        result["tied_after_step"] = head is embed
+
+    grads = {clean_name(n): full(p.grad) for n, p in named.items()}
+    if env.rank == 0:
+        result["grads"] = grads
+        torch.save(result, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

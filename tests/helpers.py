@@ -1,0 +1,56 @@
+"""Shared test utilities: launching torchrun, the demo tokenizer/model, synthetic batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL = REPO / "configs" / "demo" / "model"
+
+
+def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = True,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node nproc <args>` from the repo root (CPU, gloo)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def model_dir(tmp: Path, tied: bool = True, **overrides) -> Path:
+    """A copy of the demo model directory (config + tokenizer), optionally untied / reshaped."""
+    out = tmp / f"model_{'tied' if tied else 'untied'}"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        config = json.loads((out / "config.json").read_text())
+        config.update(tie_word_embeddings=tied, **overrides)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def synthetic_global_batch(num_samples: int = 8, vocab: int = 800, seed: int = 0) -> list[dict]:
+    """Samples of uneven lengths with uneven numbers of supervised tokens (labels unshifted)."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        length = int(torch.randint(12, 48, (1,), generator=g))
+        ids = torch.randint(3, vocab, (length,), generator=g)
+        start = int(torch.randint(1, length - 2, (1,), generator=g))
+        end = int(torch.randint(start + 1, length + 1, (1,), generator=g))
+        labels = torch.full((length,), -100)
+        labels[start:end] = ids[start:end]
+        samples.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    return samples
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,89 @@
+"""Config: typed tree, YAML + dotted overrides, one clear error before anything is created."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO
+from sft.config import ConfigError, load_config, reference_markdown, to_yaml
+
+
+def write(tmp_path: Path, tree: dict) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def base(tmp_path: Path) -> dict:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": []}\n')
+    return {"model": {"name_or_path": "configs/demo/model"}, "data": {"path": str(data)}}
+
+
+def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
+    tree = base(tmp_path)
+    tree["optim"] = {"lr": "1e-5"}  # YAML 1.1 reads 1e-5 as a string
+    cfg = load_config(write(tmp_path, tree), ["ac.ratio=0.5", "optim.lr=2e-5", "train.max_steps=7"])
+    assert cfg.ac.ratio == 0.5 and cfg.optim.lr == 2e-5 and cfg.train.max_steps == 7
+    assert load_config(write(tmp_path, tree)).optim.lr == 1e-5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ac.ratio=1.5", "ac.ratio=1.5: must be in [0, 1]"),
+    ("optim.lr=0", "optim.lr=0.0: must be > 0"),
+    ("train.grad_accum_steps=0", "train.grad_accum_steps=0: must be >= 1"),
+    ("optim.lrr=1", "optim.lrr: unknown key (valid keys in optim: lr,"),
+    ("foo.bar=1", "foo: unknown key"),
+    ("train.micro_batch_size=two", "train.micro_batch_size='two': expected an integer"),
+    ("compile.enabled=3", "compile.enabled=3: expected true or false"),
+    ("data.train_on=everything", "expected one of ['all_assistant', 'last_assistant']"),
+    ("data.path=missing.jsonl", "data.path='missing.jsonl': file not found"),
+])
+def test_bad_values_name_key_and_file(tmp_path, override, message):
+    path = write(tmp_path, base(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        load_config(path, [override])
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_missing_required_keys_are_all_reported(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, {"train": {"epochs": 1}}))
+    assert "model.name_or_path" in str(err.value) and "data.path" in str(err.value)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(write(tmp_path, base(tmp_path)), ["optim.betas=[0.9, 0.99]"])
+    again = write(tmp_path, yaml.safe_load(to_yaml(cfg)))
+    assert load_config(again) == cfg
+
+
+def test_reference_documents_every_key():
+    ref = reference_markdown()
+    for key in ("model.name_or_path", "ac.ratio", "optim.lr", "data.train_on", "fsdp.reduce_dtype"):
+        assert f"`{key}`" in ref
+    assert "| |" not in ref.replace("| | ", "")  # every row has a description
+
+
+def test_train_py_fails_before_creating_anything(tmp_path):
+    tree = base(tmp_path)
+    tree["train"] = {"output_dir": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, "train.py", "--config", str(write(tmp_path, tree)), "ac.ratio=2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ac.ratio=2.0: must be in [0, 1]" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    (REPO / "data" / "demo").mkdir(parents=True, exist_ok=True)
+    for name in ("train.jsonl", "eval.jsonl"):
+        (REPO / "data" / "demo" / name).touch()
+    load_config(path)

@@ -1,0 +1,126 @@
+"""Data formats, drop accounting, bad inputs, and the step sampler."""
+
+import json
+
+import pandas as pd
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import DEMO_MODEL
+from sft.config import DataConfig
+from sft.data import DataError, StepSampler, load_sft_data
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell 'cat'."},
+     {"role": "assistant", "content": "c-a-t"}, {"role": "user", "content": "Reverse it."},
+     {"role": "assistant", "content": "tac"}],
+]
+SHAREGPT_ROLE = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
+
+
+def load(tok, path, **kw):
+    cfg = DataConfig(path=str(path), cache_dir=str(path.parent / "cache"), **kw)
+    return load_sft_data(cfg, tok, seed=0)
+
+
+def as_set(ds):
+    return sorted((tuple(r["input_ids"]), tuple(r["labels"])) for r in ds)
+
+
+def test_three_formats_give_identical_tokens(tmp_path, tok):
+    messages = tmp_path / "m.jsonl"
+    messages.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    sharegpt = tmp_path / "s.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": SHAREGPT_ROLE[m["role"]], "value": m["content"]}
+                                                       for m in c]} for c in CONVERSATIONS]))
+    single = tmp_path / "p.parquet"
+    pd.DataFrame({"prompt": [CONVERSATIONS[0][0]["content"]],
+                  "completion": [CONVERSATIONS[0][1]["content"]]}).to_parquet(single)
+
+    from_messages, _ = load(tok, messages)
+    from_sharegpt, _ = load(tok, sharegpt)
+    from_prompt, _ = load(tok, single)
+    assert len(from_messages) == 2
+    assert as_set(from_messages) == as_set(from_sharegpt)
+    assert as_set(from_prompt)[0] in as_set(from_messages)
+
+
+def test_tools_column_and_tool_calls(tmp_path, tok):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    row = {"messages": [{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+                            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                        {"role": "tool", "content": "sunny"},
+                        {"role": "assistant", "content": "Sunny."}],
+           "tools": json.dumps(tools)}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({"messages": CONVERSATIONS[0], "tools": ""}) + "\n")
+    train, _ = load(tok, path)
+    texts = sorted(tok.decode(r["input_ids"]) for r in train)
+    assert len(texts) == 2 and "Weather?" in texts[0]
+    assert '# Tools\n{"type": "function", "function": {"name": "get_weather"' in texts[0]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in texts[0]
+
+
+def test_bad_rows_are_dropped_and_counted(tmp_path, tok, capsys):
+    rows = [{"messages": CONVERSATIONS[0]},
+            {"messages": [{"role": "user", "content": "no answer"}]},
+            {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]},
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok"}]}]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = load(tok, path)
+    assert len(train) == 2
+    out = capsys.readouterr().out
+    assert "dropped 1/4 train samples: no assistant turn" in out
+    assert "dropped 1/4 train samples: unknown role 'wizard'" in out
+
+
+def test_every_sample_dropped_is_an_error(tmp_path, tok):
+    path = tmp_path / "none.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match="every train sample was dropped.*no assistant turn"):
+        load(tok, path)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "file not found"),
+    ("", "the dataset is empty"),
+    ('{"text": "hello"}\n', "no 'messages', 'conversations' or 'prompt'\\+'completion' column \\(found: text\\)"),
+])
+def test_bad_files_give_one_clear_error(tmp_path, tok, content, message):
+    path = tmp_path / "f.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        load(tok, path)
+
+
+def test_eval_split_is_held_out(tmp_path, tok):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"messages": CONVERSATIONS[i % 2] + [
+        {"role": "user", "content": f"n{i}"}, {"role": "assistant", "content": f"a{i}"}]}) + "\n" for i in range(20)))
+    train, evals = load(tok, path, eval_fraction=0.2)
+    assert len(train) == 16 and len(evals) == 4
+    assert not set(as_set(train)) & set(as_set(evals))
+
+
+def test_sampler_partitions_each_global_batch():
+    n = 103
+    for world, ga, mb in ((1, 4, 2), (2, 2, 2), (4, 1, 2)):
+        samplers = [StepSampler(n, mb, ga, r, world, seed=3) for r in range(world)]
+        assert samplers[0].global_batch == 8 and samplers[0].steps_per_epoch == 12
+        for step in (0, 5, 12, 13):  # 12, 13: second epoch, another order
+            per_rank = [sum(s.micro_batches(step), []) for s in samplers]
+            flat = sum(per_rank, [])
+            assert len(flat) == len(set(flat)) == 8
+            if world == 1:
+                reference = flat
+            assert sorted(flat) == sorted(StepSampler(n, 8, 1, 0, 1, seed=3).micro_batches(step)[0])
+    assert StepSampler(n, 8, 1, 0, 1, 3).micro_batches(0) != StepSampler(n, 8, 1, 0, 1, 3).micro_batches(12)
