@@ -19,7 +19,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from sft.collate import collate
 from sft.config import ConfigError, parse_args, to_yaml
@@ -27,9 +26,11 @@ from sft.data import DataError, StepSampler, load_sft_data
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
 from sft.loss import attach_sft_loss, forward_backward
+from sft.metrics import (PEAK_BF16_FLOPS, flops_per_token, host_peak_rss_gib, peak_memory_gib,
+                         seconds_since_process_start)
 from sft.model import ModelError, build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.optim import build_optimizer, build_scheduler
-from sft.parallel import parallelize
+from sft.parallel import build_mesh, parallelize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,15 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     # shard by shard, so no rank ever holds the full weights.
     model = build_meta_model(cfg.model)
     buffers = real_buffers(model)
-    mesh = init_device_mesh(env.device.type, (env.world_size,))
+    mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
-    materialize(model, cfg.model, buffers, env.device, cfg.train.seed)
+    materialize(model, cfg.model, buffers, env.device, cfg.train.seed, offload=cfg.fsdp.cpu_offload)
     attach_sft_loss(model)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
-    log0(f"model: {type(model).__name__}, {num_params / 1e6:.1f}M parameters, init={cfg.model.init}")
+    rss = torch.zeros(env.world_size)
+    rss[env.rank] = host_peak_rss_gib()
+    rss = all_reduce_sum(rss, env.device).tolist()  # every rank's peak host memory, to show loading is sharded
+    log0(f"model: {type(model).__name__}, {num_params / 1e6:.1f}M parameters, init={cfg.model.init}; "
+         f"host peak RSS per rank after loading: {', '.join(f'{x:.1f}' for x in rss)} GiB")
 
-    optimizer = build_optimizer(model, cfg.optim, env.device)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
 
     metrics = open(run_dir / "metrics.jsonl", "w") if env.is_main else None
@@ -100,27 +105,40 @@ def main(argv: list[str] | None = None) -> None:
         record({"step": step, "eval_loss": loss})
         return loss
 
-    first_eval = run_eval(0)
-    last_eval = first_eval
+    startup_s = seconds_since_process_start()
+    log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
+    first_eval = last_eval = run_eval(0)
+    text_config = model.config.get_text_config()
     for step in range(1, total_steps + 1):
         t0 = time.perf_counter()
         micro_batches, token_counts = zip(*(make_batch(train_data, i) for i in sampler.micro_batches(step - 1)))
-        tokens = sum(token_counts)
-        ce_sum, supervised = forward_backward(model, micro_batches, env.device)
+        ce_sum, supervised = forward_backward(model, micro_batches, env.device, cfg.fsdp.sync_grads_each_microbatch)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        ce_total, tokens_total = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
+        flops = sum(n * flops_per_token(num_params, text_config.num_hidden_layers, text_config.hidden_size,
+                                        b["input_ids"].shape[1]) for n, b in zip(token_counts, micro_batches))
+        ce_total, tokens, flops = all_reduce_sum([ce_sum.item(), sum(token_counts), flops], env.device).tolist()
         step_time = time.perf_counter() - t0
         entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm.item(), "lr": lr,
-                 "supervised_tokens": int(supervised), "tokens": int(tokens_total), "step_time": step_time}
+                 "tokens": int(tokens), "supervised_tokens": int(supervised), "step_time": step_time,
+                 "tokens_per_s_per_gpu": tokens / step_time / env.world_size,
+                 "supervised_tokens_per_s_per_gpu": supervised / step_time / env.world_size,
+                 "peak_memory_gib": peak_memory_gib(env.device)}
+        if env.device.type == "cuda":
+            entry["mfu"] = flops / step_time / env.world_size / PEAK_BF16_FLOPS
+        if step == 1:
+            entry.update(startup_s=startup_s, host_peak_rss_gib_per_rank=rss)
         record(entry)
         if step % cfg.logging.every_steps == 0 or step == total_steps:
             log0(f"step {step}/{total_steps} | loss {entry['loss']:.4f} | grad norm {entry['grad_norm']:.3f} | "
-                 f"lr {lr:.2e} | {tokens_total / step_time / env.world_size:,.0f} tok/s/rank | {step_time:.2f} s")
+                 f"lr {lr:.2e} | {entry['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
+                 + (f" | MFU {entry['mfu']:.1%}" if "mfu" in entry else "")
+                 + (f" | peak {entry['peak_memory_gib']:.1f} GiB" if env.device.type == "cuda" else "")
+                 + f" | {step_time:.2f} s")
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
             last_eval = run_eval(step)
     if eval_data is not None:

@@ -118,6 +118,14 @@ class FSDPConfig:
     """Dtype of the gradient reduce-scatter. bfloat16 halves traffic at some precision cost."""
     reshard_after_forward: bool = True
     """Free gathered blocks after their forward (ZeRO-3). False keeps them until backward (≈ZeRO-2)."""
+    replicate_degree: int = 1
+    """HSDP: >1 replicates the model over this many groups and shards within each (e.g. the number
+    of nodes, so all-gathers stay inside a node). Must divide the number of ranks."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer states in host memory (CPUOffloadPolicy)."""
+    sync_grads_each_microbatch: bool = True
+    """Reduce-scatter gradients after every micro-batch. False defers it to the last micro-batch of
+    the step (less communication, but unsharded gradients stay in memory)."""
 
 
 @dataclass
@@ -196,6 +204,7 @@ def _range_checks(cfg: Config) -> list[str]:
           "must be >= 1, or null for all rows")
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
+    check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):

@@ -6,6 +6,8 @@ Formats (detected from the columns):
 * ShareGPT `conversations`: [{from, value}] with from in system/human/gpt/tool (and the aliases
   below).
 * `prompt` / `completion`: strings (one user turn, one assistant turn), or lists of messages.
+* `input_ids` / `labels`: already tokenised (labels unshifted, -100 = not trained), used as is
+  (benchmarks, or data prepared elsewhere).
 
 Tokenisation runs through `datasets.map`, so it is cached on disk and a rerun starts at once.
 Rank 0 tokenises first; the other ranks then read its cache.
@@ -27,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.config import DataConfig
 from sft.distributed import log0
-from sft.masking import DropSample, tokenize_conversation
+from sft.masking import DropSample, tokenize_conversation, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
 datasets.disable_progress_bars()
@@ -64,10 +66,10 @@ def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None,
 
 def detect_format(columns: list[str], source: str) -> str:
     for fmt, needed in (("messages", {"messages"}), ("conversations", {"conversations"}),
-                        ("prompt_completion", {"prompt", "completion"})):
+                        ("prompt_completion", {"prompt", "completion"}), ("tokenized", {"input_ids", "labels"})):
         if needed <= set(columns):
             return fmt
-    raise DataError(f"{source}: no 'messages', 'conversations' or 'prompt'+'completion' column "
+    raise DataError(f"{source}: no 'messages', 'conversations', 'prompt'+'completion' or 'input_ids'+'labels' column "
                     f"(found: {', '.join(columns)}); see README 'Data formats'")
 
 
@@ -110,8 +112,11 @@ def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
 def _tokenize_row(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
                   last_turn_only: bool) -> dict:
     try:
-        messages, tools = to_messages(row, fmt)
-        ids, labels = tokenize_conversation(tokenizer, messages, tools, max_seq_len, last_turn_only)
+        if fmt == "tokenized":
+            ids, labels = truncate_tokenized(row["input_ids"], row["labels"], max_seq_len)
+        else:
+            messages, tools = to_messages(row, fmt)
+            ids, labels = tokenize_conversation(tokenizer, messages, tools, max_seq_len, last_turn_only)
         return {"input_ids": ids, "labels": labels, "drop_reason": ""}
     except DropSample as e:
         return {"input_ids": [], "labels": [], "drop_reason": str(e)}

@@ -41,6 +41,8 @@ def init_distributed() -> DistEnv:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
+        # Fewer fragmentation OOMs with variable-length batches (must be set before CUDA starts).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

@@ -96,14 +96,16 @@ def count_supervised(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]],
-                     device: torch.device) -> tuple[torch.Tensor, float]:
+def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
+                     sync_each_microbatch: bool = True) -> tuple[torch.Tensor, float]:
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global token count)."""
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens.
     num_tokens = all_reduce_sum([sum(count_supervised(b) for b in micro_batches)], device)[0].item()
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
+        if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
         (loss / num_tokens).backward()
         ce_sum += loss.detach()

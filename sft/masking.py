@@ -110,7 +110,14 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dic
     labels = [IGNORE_INDEX] * len(ids)
     for start, end in spans:
         labels[start:end] = ids[start:end]
-    ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+    return truncate_tokenized(ids, labels, max_seq_len)
+
+
+def truncate_tokenized(ids: list[int], labels: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Truncate to max_seq_len; raise DropSample if no supervised token is left."""
+    if len(ids) != len(labels) or not ids:
+        raise DropSample("input_ids and labels are empty or of different lengths")
+    ids, labels = list(ids[:max_seq_len]), list(labels[:max_seq_len])
     # The first token is never a target (nothing precedes it); this also keeps a packed row from
     # training the end of one document to predict the start of the next.
     labels[0] = IGNORE_INDEX

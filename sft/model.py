@@ -151,19 +151,22 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             else:
                 shape, offset, local = param.shape, (0,) * param.dim(), param
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            # read on the compute device; copy_ casts to float32 and moves to offloaded shards' host memory
             local.copy_(weights.read(clean_name(name), index, device))
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Tensor], device: torch.device,
-                seed: int) -> None:
+                seed: int, offload: bool = False) -> None:
     """Allocate this rank's shards on `device`, restore buffers, then load or randomly init weights."""
-    model.to_empty(device=device)
+    # With CPU offload, FSDP keeps the shards in host memory.
+    model.to_empty(device="cpu" if offload else device)
     # to_empty gives every parameter new storage, which unties tied embeddings on an unsharded
     # model (FSDP2 keeps one shared parameter); re-tie before loading so one tensor is filled.
     model.tie_weights()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[clean_name(name)])
+    for module_name, module in model.named_modules():
+        for name in list(module._buffers):
+            if module._buffers[name] is not None:  # buffers are not sharded; they live on the device
+                module._buffers[name] = buffers[clean_name(f"{module_name}.{name}".lstrip("."))].to(device)
     weights = SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
     load_weights(model, weights, device)
     assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"

@@ -11,14 +11,16 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from sft.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
     for param in model.parameters():
         # 1-D parameters are norm weights and biases: decaying them towards 0 only hurts.
         (decay if param.dim() >= 2 or cfg.decay_norms_and_biases else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                             fused=device.type == "cuda")
+    # Fused (one kernel for all parameters) where the shards live on the GPU; with CPU offload
+    # or on CPU the default foreach implementation.
+    on_gpu = all(p.device.type == "cuda" for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=on_gpu or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from sft.config import FSDPConfig
 from sft.distributed import log0
@@ -72,10 +72,13 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
     divide factor is 1 on every unit: the loss is already divided by the global count of
     supervised tokens (sft/loss.py), so FSDP must sum, not average, over ranks.
     """
-    mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+    options = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
+                                                  reduce_dtype=DTYPES[cfg.reduce_dtype]),
+                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -83,6 +86,16 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
             module.set_force_sum_reduction_for_comms(True)
     log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
          f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
+
+
+def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> DeviceMesh:
+    """1-D mesh for FSDP, or (replicate, shard) for HSDP."""
+    if world_size % replicate_degree:
+        raise ValueError(f"fsdp.replicate_degree={replicate_degree} does not divide the {world_size} ranks")
+    if replicate_degree == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac_ratio: float,

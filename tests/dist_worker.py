@@ -70,7 +70,7 @@ def main() -> None:
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         result["grad_norm"] = full(norm).item()
-        optimizer = build_optimizer(model, OptimConfig(lr=1e-3), env.device)
+        optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
         optimizer.step()
         result["moment_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
                                           for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")})

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Reproduce the GPU rows of docs/BENCHMARKS.md on one host:  bash scripts/bench_gpu.sh STAGE...
+#   info      cards, driver, versions
+#   smoke     the demo on all GPUs (bf16), 20 steps
+#   ckpt7b    save a random Qwen2.5-7B-shaped HF checkpoint to $CKPT7B (bf16 safetensors)
+#   fsdp      P-7B through the real loading path: ac.ratio 0 / 0.5 / 1, compile on and off
+#   summary   one table of all runs
+# Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
+set -u
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
+CKPT7B=${CKPT7B:-/tmp/qwen2.5-7b-random}
+STEPS=${STEPS:-12}
+LOGS=runs/bench/logs
+mkdir -p "$LOGS"
+
+train() {  # train NAME CONFIG OVERRIDES...
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" train.py --config "$@" \
+    train.run_name="$name" >"$LOGS/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - t0)) s"; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
+}
+
+for stage in "$@"; do
+  case $stage in
+    info)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
+    smoke)
+      python3 scripts/demo_data.py --out data/demo >/dev/null
+      train smoke configs/demo.yaml train.max_steps=20 fsdp.param_dtype=bfloat16 ;;
+    ckpt7b)
+      t0=$SECONDS; python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-7b "$CKPT7B" --device cuda
+      echo "saved in $((SECONDS - t0)) s"; du -sh "$CKPT7B" ;;
+    fsdp)
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 2 * STEPS)) --length 4096
+      for compile in true false; do for ratio in 1 0.5 0; do
+        train "p7b-compile-$compile-ac$ratio" configs/bench/p7b.yaml model.name_or_path="$CKPT7B" \
+          model.init=pretrained compile.enabled=$compile ac.ratio=$ratio train.max_steps="$STEPS"
+      done; done ;;
+    summary)
+      python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/bench.tgz" runs/bench && cp runs/bench/summary.md "$OUT/" 2>/dev/null
+fi
+exit 0

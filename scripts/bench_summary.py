@@ -1,0 +1,51 @@
+"""Summarise benchmark runs: steady-state numbers from each run's metrics.jsonl.
+
+    python scripts/bench_summary.py runs/bench/*/ [--warmup 5]
+
+Steady state = median over the steps after the first `--warmup` (compilation, allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def summarise(run_dir: Path, warmup: int) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    steady = steps[warmup:] or steps
+    median_time = statistics.median(r["step_time"] for r in steady)
+    out = {"run": run_dir.name, "steps": len(steps), "s/step": median_time,
+           "tok/s/gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in steady),
+           "sup tok/s/gpu": statistics.median(r["supervised_tokens_per_s_per_gpu"] for r in steady),
+           "peak GiB": max(r["peak_memory_gib"] for r in steps),
+           "startup s": steps[0].get("startup_s", float("nan")) if steps else float("nan"),
+           "first step s": steps[0]["step_time"] if steps else float("nan"),
+           "final loss": steps[-1]["loss"] if steps else float("nan")}
+    if steady and "mfu" in steady[0]:
+        out["MFU"] = statistics.median(r["mfu"] for r in steady)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    rows = [summarise(r, args.warmup) for r in args.runs if (r / "metrics.jsonl").is_file()]
+    if not rows:
+        raise SystemExit("no metrics.jsonl found")
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(f"{r[k]:,.3f}" if isinstance(r.get(k), float) and abs(r[k]) < 10 else
+                                  f"{r[k]:,.0f}" if isinstance(r.get(k), float) else str(r.get(k, ""))
+                                  for k in keys) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""Save a randomly initialised model as a Hugging Face checkpoint (bf16 safetensors), one module at a
+time, so large shapes (7B, 32B) can be written without holding the model in memory.
+
+    python scripts/save_random_checkpoint.py configs/models/qwen2.5-7b /tmp/qwen7b-random --device cuda
+
+Used by the benchmarks to exercise the real loading path without downloading weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from sft.config import ModelConfig
+from sft.hf_io import atomic_directory, write_safetensors
+from sft.model import RandomWeights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="directory with config.json (and optionally tokenizer files)")
+    parser.add_argument("out_dir")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    weights = RandomWeights(ModelConfig(name_or_path=args.model_dir, init="random"), args.seed)
+    device = torch.device(args.device)
+
+    def tensors():
+        for name, param in weights.reference.named_parameters():
+            yield name, weights.read(name, (), device).to(torch.bfloat16)
+
+    with atomic_directory(Path(args.out_dir)) as tmp:
+        write_safetensors(tensors(), tmp)
+        for extra in Path(args.model_dir).iterdir():
+            if extra.suffix in (".json", ".jinja") and not extra.name.startswith("model.safetensors"):
+                shutil.copy(extra, tmp / extra.name)
+    print(f"wrote {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
