@@ -30,7 +30,7 @@ for stage in "$@"; do
   case $stage in
     info)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" ;;
+      python3 -c "import torch, transformers, pyarrow, datasets; print(torch.__version__, transformers.__version__, pyarrow.__version__, datasets.__version__)" ;;
     smoke)
       python3 scripts/demo_data.py --out data/demo >/dev/null
       train smoke configs/demo.yaml train.max_steps=20 fsdp.param_dtype=bfloat16 ;;
