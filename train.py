@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     if env.is_main:
         metrics.close()
         (run_dir / "finished").touch()
+    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
 
 

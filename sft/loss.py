@@ -31,12 +31,13 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and optionally its gradients."""
     chunk = max(1, _LOGITS_PER_CHUNK // weight.shape[0])
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in >= fp32
+    total = torch.zeros((), dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if with_grads else None
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        logits = (h @ weight.T).float()
+        logits = (h @ weight.T).to(acc)
         lse = torch.logsumexp(logits, dim=-1)
         total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
         if with_grads:
@@ -45,7 +46,7 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
             grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
             grad_logits = grad_logits.to(hidden.dtype)
             grad_hidden[start : start + chunk] = grad_logits @ weight
-            grad_weight += (grad_logits.T @ h).float()
+            grad_weight += grad_logits.T @ h
     return total, grad_hidden, grad_weight
 
 

@@ -78,7 +78,8 @@ def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
     """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # Through the MRO, so blocks are still found once FSDP has swapped in its FSDP<Block> subclass.
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks "
                          f"(_no_split_modules={sorted(names)}); this architecture is not supported")
@@ -107,16 +108,15 @@ class SafetensorsWeights:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
         self.root, self.weight_map = root, weight_map
-        self._files: dict[str, object] = {}
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         if name not in self.weight_map:
             raise ModelError(f"{self.root}: checkpoint has no tensor {name!r}; is it the same architecture "
                              "as its config.json?")
-        file = self.weight_map[name]
-        if file not in self._files:
-            self._files[file] = safe_open(self.root / file, framework="pt", device="cpu")
-        return self._files[file].get_slice(name)[index].to(device)
+        # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
+        # touched, so host memory holds at most one slice beyond the rank's own shards.
+        with safe_open(self.root / self.weight_map[name], framework="pt", device="cpu") as f:
+            return f.get_slice(name)[index].to(device)
 
 
 class RandomWeights:

@@ -7,11 +7,14 @@ Hugging Face model (no FSDP, one process) on the whole global batch with HF's ow
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+
+from safetensors import safe_open
 
 from helpers import synthetic_global_batch
 from sft.collate import collate
@@ -27,6 +30,25 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
 
 
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets the peak RSS (VmHWM) to the current RSS
+        f.write("5")
+
+
+def peak_rss_gib() -> float:
+    line = next(x for x in open("/proc/self/status") if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 2**20
+
+
+def compare_with_checkpoint(model: torch.nn.Module, directory: str) -> list[str]:
+    """Names of parameters whose gathered value differs from the checkpoint file's tensor."""
+    files = {}
+    for path in Path(directory).glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            files.update({k: f.get_tensor(k) for k in f.keys()})
+    return [n for n, p in model.named_parameters() if not torch.equal(full(p), files[clean_name(n)].float())]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -37,12 +59,13 @@ def main() -> None:
     p.add_argument("--ac-ratio", type=float, default=0.0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--reference", action="store_true")
+    p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     args = p.parse_args()
 
     env = init_distributed()
     torch.manual_seed(0)
     samples = synthetic_global_batch(args.global_batch)
-    model_cfg = ModelConfig(name_or_path=args.model, init="random")
+    model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random")
     model = build_meta_model(model_cfg)
     buffers = real_buffers(model)
     result: dict = {}
@@ -58,8 +81,22 @@ def main() -> None:
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         parallelize(model, decoder_blocks(model), mesh, args.ac_ratio, args.compile,
                     FSDPConfig(param_dtype=args.param_dtype))
+        reset_peak_rss()
+        rss_before = peak_rss_gib()
         materialize(model, model_cfg, buffers, env.device, seed=0)
+        rss = torch.zeros(env.world_size)
+        rss[env.rank] = peak_rss_gib() - rss_before
+        result["load_rss_increase_gib"] = all_reduce_sum(rss, env.device).tolist()
+        if args.load:
+            result["load_mismatches"] = compare_with_checkpoint(model, args.load)
+            result["tied_after_load"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         attach_sft_loss(model)
+        block_linear = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Linear))
+
+        def record_weight_dtype(module: torch.nn.Module, _inputs) -> None:
+            result.setdefault("forward_weight_dtype", str(module.weight.dtype))
+
+        block_linear.register_forward_pre_hook(record_weight_dtype)
         per_rank = args.global_batch // env.world_size
         mine = samples[env.rank * per_rank : (env.rank + 1) * per_rank]
         micro = per_rank // args.grad_accum
@@ -81,6 +118,7 @@ def main() -> None:
     if env.rank == 0:
         result["grads"] = grads
         torch.save(result, args.out)
+    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
 
 

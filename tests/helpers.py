@@ -28,10 +28,12 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = 
 
 def model_dir(tmp: Path, tied: bool = True, **overrides) -> Path:
     """A copy of the demo model directory (config + tokenizer), optionally untied / reshaped."""
-    out = tmp / f"model_{'tied' if tied else 'untied'}"
+    out = tmp / f"model_{'tied' if tied else 'untied'}{'_' + '_'.join(map(str, overrides.values())) if overrides else ''}"
     if not out.exists():
         shutil.copytree(DEMO_MODEL, out)
         config = json.loads((out / "config.json").read_text())
+        if "num_hidden_layers" in overrides:
+            config.pop("layer_types", None)  # derived from the depth; transformers recomputes it
         config.update(tie_word_embeddings=tied, **overrides)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     return out

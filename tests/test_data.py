@@ -92,7 +92,7 @@ def test_every_sample_dropped_is_an_error(tmp_path, tok):
 @pytest.mark.parametrize("content, message", [
     (None, "file not found"),
     ("", "the dataset is empty"),
-    ('{"text": "hello"}\n', "no 'messages', 'conversations' or 'prompt'\\+'completion' column \\(found: text\\)"),
+    ('{"text": "hello"}\n', "no 'messages', 'conversations', 'prompt'\\+'completion' or 'input_ids'\\+'labels' column \\(found: text\\)"),
 ])
 def test_bad_files_give_one_clear_error(tmp_path, tok, content, message):
     path = tmp_path / "f.jsonl"

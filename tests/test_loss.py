@@ -1,0 +1,44 @@
+"""The fused chunked lm_head + cross-entropy and the collate, against plain PyTorch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sft.loss
+from sft.collate import collate
+from sft.loss import LinearCrossEntropy, _chunked_cross_entropy
+from sft.masking import IGNORE_INDEX
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 7, 1000])
+def test_linear_cross_entropy_matches_autograd(monkeypatch, rows_per_chunk):
+    vocab, hidden, rows = 97, 16, 23
+    monkeypatch.setattr(sft.loss, "_LOGITS_PER_CHUNK", rows_per_chunk * vocab)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, vocab, (rows,), generator=g)
+
+    ours = LinearCrossEntropy.apply(h, w, t)
+    (ours * 0.37).backward()
+    grads = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = F.cross_entropy(h @ w.T, t, reduction="sum")
+    (ref * 0.37).backward()
+
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grads[0], h.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-10, atol=1e-12)
+    no_grad_total = _chunked_cross_entropy(h.detach(), w.detach(), t, with_grads=False)[0]
+    torch.testing.assert_close(no_grad_total.double(), ref.detach(), rtol=1e-6, atol=0)
+
+
+def test_collate_right_pads_and_keeps_hf_label_convention():
+    samples = [{"input_ids": [5, 6, 7], "labels": [IGNORE_INDEX, 6, 7]},
+               {"input_ids": [8, 9, 10, 11, 12], "labels": [IGNORE_INDEX, IGNORE_INDEX, 10, 11, 12]}]
+    batch = collate(samples, pad_token_id=0, max_seq_len=16, pad_to_multiple_of=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0, 0, 0], [8, 9, 10, 11, 12, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, -100, -100, -100, -100],
+                                        [-100, -100, 10, 11, 12, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [list(range(8))] * 2
+    assert collate(samples, 0, max_seq_len=16, pad_to_max=True)["input_ids"].shape == (2, 16)
