@@ -13,24 +13,29 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from sft.checkpoint import REQUEUE_EXIT_CODE, CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
 from sft.collate import collate
 from sft.config import ConfigError, parse_args, to_yaml
 from sft.data import DataError, StepSampler, load_sft_data
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
+from sft.export import export_hf
 from sft.loss import attach_sft_loss, forward_backward
 from sft.metrics import (PEAK_BF16_FLOPS, flops_per_token, host_peak_rss_gib, peak_memory_gib,
                          seconds_since_process_start)
 from sft.model import ModelError, build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.optim import build_optimizer, build_scheduler
 from sft.parallel import build_mesh, parallelize
+from sft.preemption import StopRequest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,15 +46,22 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
-    run_dir = cfg.run_dir
+    # The run directory: a finished run is kept unless train.overwrite; an unfinished one (stopped
+    # or preempted) is continued from its newest complete checkpoint (checkpoint.resume=auto).
+    run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
+    finished = (run_dir / "finished").exists()
+    if finished and not cfg.train.overwrite:
+        raise ConfigError(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
+    dist.barrier()  # every rank has looked before rank 0 changes anything
     if env.is_main:
-        if (run_dir / "finished").exists() and not cfg.train.overwrite:
-            raise SystemExit(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
+        if finished:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+            (run_dir / "finished").unlink()
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "finished").unlink(missing_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
     dist.barrier()
+    resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
 
     # Data before the model: bad data fails fast, before the expensive part.
     tokenizer = load_tokenizer(cfg.model)
@@ -77,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
-    materialize(model, cfg.model, buffers, env.device, cfg.train.seed, offload=cfg.fsdp.cpu_offload)
+    # When resuming, the checkpoint overwrites every weight: skip reading the initial ones.
+    materialize(model, cfg.model, buffers, env.device, cfg.train.seed, offload=cfg.fsdp.cpu_offload,
+                load=resume_from is None)
     attach_sft_loss(model)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())
@@ -90,7 +104,16 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
 
-    metrics = open(run_dir / "metrics.jsonl", "w") if env.is_main else None
+    start_step = 0
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler, env)
+        start_step = state["step"]
+        log0(f"resumed from {resume_from} (step {start_step}, saved by {state['world_size']} ranks)")
+        if state["global_batch"] != sampler.global_batch:
+            log0(f"warning: global batch {sampler.global_batch} != {state['global_batch']} of the checkpoint; "
+                 "the data order from here differs from the original run's")
+    stop = StopRequest()
+    metrics = open(run_dir / "metrics.jsonl", "a" if resume_from else "w") if env.is_main else None
 
     def record(entry: dict) -> None:
         if metrics:
@@ -107,9 +130,17 @@ def main(argv: list[str] | None = None) -> None:
 
     startup_s = seconds_since_process_start()
     log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
-    first_eval = last_eval = run_eval(0)
+    def save(step: int) -> Path:
+        state = {"step": step, "global_batch": sampler.global_batch, "world_size": env.world_size}
+        t0 = time.perf_counter()
+        path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg),
+                               cfg.checkpoint.keep_last, env)
+        log0(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+        return path
+
+    first_eval = last_eval = run_eval(start_step)
     text_config = model.config.get_text_config()
-    for step in range(1, total_steps + 1):
+    for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
         micro_batches, token_counts = zip(*(make_batch(train_data, i) for i in sampler.micro_batches(step - 1)))
         ce_sum, supervised = forward_backward(model, micro_batches, env.device, cfg.fsdp.sync_grads_each_microbatch)
@@ -121,7 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         flops = sum(n * flops_per_token(num_params, text_config.num_hidden_layers, text_config.hidden_size,
                                         b["input_ids"].shape[1]) for n, b in zip(token_counts, micro_batches))
-        ce_total, tokens, flops = all_reduce_sum([ce_sum.item(), sum(token_counts), flops], env.device).tolist()
+        # One all-reduce for the metrics and the stop flag: every rank learns of a SIGTERM at the same step.
+        ce_total, tokens, flops, stops = all_reduce_sum(
+            [ce_sum.item(), sum(token_counts), flops, float(stop.requested)], env.device).tolist()
         step_time = time.perf_counter() - t0
         entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm.item(), "lr": lr,
                  "tokens": int(tokens), "supervised_tokens": int(supervised), "step_time": step_time,
@@ -139,12 +172,26 @@ def main(argv: list[str] | None = None) -> None:
                  + (f" | MFU {entry['mfu']:.1%}" if "mfu" in entry else "")
                  + (f" | peak {entry['peak_memory_gib']:.1f} GiB" if env.device.type == "cuda" else "")
                  + f" | {step_time:.2f} s")
+        if stops:
+            save(step)
+            log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s signal'}; "
+                 f"exit code {REQUEUE_EXIT_CODE} asks for a requeue")
+            dist.barrier()
+            dist.destroy_process_group()
+            sys.exit(REQUEUE_EXIT_CODE)
+        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total_steps:
+            save(step)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
             last_eval = run_eval(step)
     if eval_data is not None:
         last_eval = run_eval(total_steps)
         log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
+    final = save(total_steps) if start_step < total_steps else resume_from
     if env.is_main:
+        if cfg.checkpoint.export_hf:
+            t0 = time.perf_counter()
+            export_hf(final, run_dir / "export", cfg.checkpoint.export_dtype)
+            log0(f"exported a Hugging Face model to {run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
         metrics.close()
         (run_dir / "finished").touch()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
@@ -154,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, DataError, ModelError) as e:
+    except (ConfigError, DataError, ModelError, CheckpointError) as e:
         # Bad input: one clear message, no traceback, non-zero exit so the scheduler sees it.
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -148,6 +148,21 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every N optimizer steps (0 = only at the end, and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 2
+    """Keep this many committed checkpoints; older ones are deleted after a new one is committed."""
+    resume: str = "auto"
+    """auto: continue from the newest complete checkpoint of this run, if any; none: start fresh;
+    or the path of a checkpoints/step-N directory."""
+    export_hf: bool = False
+    """At the end, also write a Hugging Face model directory to <run>/export."""
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the exported weights."""
+
+
+@dataclass
 class LoggingConfig:
     every_steps: int = 1
     """Print a log line every N optimizer steps."""
@@ -163,6 +178,7 @@ class Config:
     ac: ACConfig = field(default_factory=ACConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
@@ -206,6 +222,10 @@ def _range_checks(cfg: Config) -> list[str]:
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
+    check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
+    check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    check(cfg.checkpoint.resume in ("auto", "none") or Path(cfg.checkpoint.resume).is_dir(), "checkpoint.resume",
+          cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and _looks_like_local_file(value):
@@ -377,8 +397,23 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
+README_MARKERS = ("<!-- config-reference:start -->\n", "<!-- config-reference:end -->")
+
+
+def update_readme(path: Path) -> None:
+    """Rewrite the config reference between the README's markers from the dataclasses."""
+    text = path.read_text()
+    start, end = text.index(README_MARKERS[0]) + len(README_MARKERS[0]), text.index(README_MARKERS[1])
+    path.write_text(text[:start] + reference_markdown() + text[end:])
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    # python -m sft.config                      -> the config reference (markdown)
+    # python -m sft.config --readme README.md   -> refresh the README's copy of it
+    # python -m sft.config CONFIG [overrides]   -> the resolved config, validated
+    if sys.argv[1:2] == ["--readme"]:
+        update_readme(Path(sys.argv[2]))
+    elif len(sys.argv) > 1:
         print(to_yaml(load_config(sys.argv[1], sys.argv[2:])), end="")
     else:
-        print(reference_markdown())
+        print(reference_markdown(), end="")

@@ -156,8 +156,9 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
 
 
 def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Tensor], device: torch.device,
-                seed: int, offload: bool = False) -> None:
-    """Allocate this rank's shards on `device`, restore buffers, then load or randomly init weights."""
+                seed: int, offload: bool = False, load: bool = True) -> None:
+    """Allocate this rank's shards on `device`, restore buffers, then (if `load`) fill the weights
+    from the checkpoint or the random init."""
     # With CPU offload, FSDP keeps the shards in host memory.
     model.to_empty(device="cpu" if offload else device)
     # to_empty gives every parameter new storage, which unties tied embeddings on an unsharded
@@ -167,6 +168,7 @@ def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Ten
         for name in list(module._buffers):
             if module._buffers[name] is not None:  # buffers are not sharded; they live on the device
                 module._buffers[name] = buffers[clean_name(f"{module_name}.{name}".lstrip("."))].to(device)
-    weights = SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
-    load_weights(model, weights, device)
+    if load:
+        weights = SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
+        load_weights(model, weights, device)
     assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"

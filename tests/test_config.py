@@ -87,3 +87,8 @@ def test_shipped_configs_validate(path, monkeypatch):
     for name in ("train.jsonl", "eval.jsonl"):
         (REPO / "data" / "demo" / name).touch()
     load_config(path)
+
+
+def test_readme_config_reference_is_current():
+    readme = (REPO / "README.md").read_text()
+    assert reference_markdown() in readme, "run: python -m sft.config --readme README.md"

@@ -1,0 +1,162 @@
+"""Checkpoints: sharded `torch.distributed.checkpoint` saves, committed atomically, exact resume.
+
+Layout of a run directory's checkpoints:
+
+    checkpoints/step-N/          one committed checkpoint
+        .metadata, *.distcp      DCP: model + optimizer, sharded (reshardable to any world size)
+        scheduler.pt             LR scheduler state
+        rng-rank{r}.pt           python / numpy / torch / cuda RNG state of rank r
+        train_state.json         step, tokens seen, global batch, world size
+        config.yaml              the resolved config of the run
+    checkpoints/latest           name of the newest committed checkpoint (a one-line file)
+
+A save writes `step-N.tmp/`, waits for every rank, renames it to `step-N/`, then rewrites
+`latest` (write + rename), and only then deletes checkpoints beyond `keep_last`: a crash at any
+point leaves `latest` on a complete checkpoint. Resume `auto` takes `latest`, or failing that
+the newest complete `step-N/`, skipping (with a warning) any that is incomplete.
+
+Data position: the sampler is a pure function of (seed, step, global batch), so the step is the
+data position. Resuming on another number of ranks with the same global batch (micro-batch x
+grad-acc x ranks) continues with exactly the samples the original run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from sft.distributed import DistEnv, log0
+
+# The exit status of a run that stopped on SIGTERM/SIGUSR1 after committing a checkpoint:
+# EX_TEMPFAIL, "try again later". slurm/train.slurm turns it into a requeue.
+REQUEUE_EXIT_CODE = 75
+_FILES = ("train_state.json", "scheduler.pt", "config.yaml")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used; the message names the directory and what is missing."""
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, config_yaml: str,
+                    keep_last: int, env: DistEnv) -> Path:
+    """Write and commit checkpoints/step-<step>; return its path. Collective: all ranks call it."""
+    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(_rng_state(), tmp / f"rng-rank{env.rank}.pt")
+    if env.is_main:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2))
+    dist.barrier()  # every rank's shards are on disk before the checkpoint is committed
+    if env.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomically(root / "latest", final.name + "\n")
+        # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
+        # that were killed midway (step-N.tmp).
+        for old in sorted(_committed(root), key=_step_of)[:-keep_last]:
+            shutil.rmtree(old)
+        for leftover in root.glob("step-*.tmp"):
+            shutil.rmtree(leftover)
+    dist.barrier()
+    return final
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
+
+
+def _committed(root: Path) -> list[Path]:
+    return [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None if it is."""
+    if not path.is_dir():
+        return "no such directory"
+    missing = [f for f in (".metadata", *_FILES) if not (path / f).is_file()]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # unreadable metadata: truncated or corrupt
+        return f"unreadable .metadata ({type(e).__name__}: {e})"
+    for info in metadata.storage_data.values():
+        data = path / info.relative_path
+        if not data.is_file() or data.stat().st_size < info.offset + info.length:
+            return f"data file {info.relative_path} is missing or truncated"
+    return None
+
+
+def find_checkpoint(root: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: `resume` is auto, none, or a checkpoint directory."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        problem = checkpoint_problem(Path(resume))
+        if problem:
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
+        return Path(resume)
+    candidates = sorted(_committed(root), key=_step_of, reverse=True)
+    latest = root / "latest"
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    for candidate in candidates:
+        problem = checkpoint_problem(candidate)
+        if problem is None:
+            return candidate
+        log0(f"checkpoint: skipping {candidate} ({problem})")
+    return None
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, env: DistEnv) -> dict:
+    """Load model, optimizer, scheduler and this rank's RNG state in place; return the train state."""
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    rng = path / f"rng-rank{env.rank}.pt"
+    if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return json.loads((path / "train_state.json").read_text())

@@ -1,0 +1,67 @@
+"""Export a training checkpoint as a Hugging Face model directory (safetensors + config + tokenizer).
+
+    python -m sft.export runs/my-run/checkpoints/step-1000 runs/my-run/export [--dtype bfloat16]
+
+The result loads with `AutoModelForCausalLM.from_pretrained` (and so vLLM). Runs in one process
+on the CPU and never needs the whole model in memory: tensors are read from the sharded DCP
+checkpoint a group at a time (up to one output shard, 5 GiB) and written as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from sft.config import ModelConfig
+from sft.hf_io import atomic_directory, write_safetensors
+from sft.model import build_meta_model, load_tokenizer
+from sft.parallel import DTYPES
+
+_GROUP_BYTES = 5 * 2**30
+
+
+def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    names = list(shapes)
+    while names:
+        group, size = {}, 0
+        while names and (not group or size + shapes[names[0]].numel() * 4 <= _GROUP_BYTES):
+            name = names.pop(0)
+            group[name] = torch.empty(shapes[name], dtype=torch.float32)
+            size += group[name].numel() * 4
+        dcp.load({"model": group}, checkpoint_id=checkpoint, no_dist=True)
+        for name, tensor in group.items():
+            yield name, tensor.to(dtype)
+
+
+def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
+    """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`."""
+    # Only the model section matters here (the data files need not exist on this machine).
+    model_cfg = ModelConfig(**yaml.safe_load((checkpoint / "config.yaml").read_text())["model"])
+    model = build_meta_model(model_cfg)
+    # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    with atomic_directory(out_dir) as tmp:
+        write_safetensors(_tensors(checkpoint, shapes, DTYPES[dtype]), tmp)
+        model.config.dtype = dtype
+        model.config.use_cache = True  # for inference
+        model.config.save_pretrained(tmp)
+        load_tokenizer(model_cfg).save_pretrained(tmp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a committed checkpoints/step-N directory")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    args = parser.parse_args()
+    export_hf(args.checkpoint, args.out_dir, args.dtype)
+    print(f"exported {args.checkpoint} to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Checkpoints: exact resume, resharding, crash safety, preemption, Hugging Face export."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, read_metrics, run_torchrun
+from sft.checkpoint import REQUEUE_EXIT_CODE
+
+
+def demo(data, out, name, *overrides):
+    return ["train.py", "--config", "configs/demo.yaml", f"data.path={data / 'train.jsonl'}",
+            f"data.eval_path={data / 'eval.jsonl'}", f"train.output_dir={out}", f"train.run_name={name}",
+            f"data.cache_dir={out / 'cache'}", "eval.every_steps=0", *overrides]
+
+
+def train_steps(run_dir) -> dict[int, tuple[float, float]]:
+    return {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m}
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory, demo_data):
+    """6 steps on 2 ranks, checkpoints at 3 and 6, data shuffled (fp32)."""
+    out = tmp_path_factory.mktemp("ckpt")
+    run_torchrun(demo(demo_data, out, "continuous", "train.max_steps=6", "checkpoint.every_steps=3",
+                      "train.micro_batch_size=4"), nproc=2)
+    return out
+
+
+def resume_from_step3(continuous, demo_data, name, nproc, *overrides):
+    target = continuous / name / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(continuous / "continuous" / "checkpoints" / "step-3", target / "step-3")
+    proc = run_torchrun(demo(demo_data, continuous, name, "train.max_steps=6", "checkpoint.every_steps=3",
+                             *overrides), nproc=nproc)
+    assert f"resumed from {target / 'step-3'} (step 3, saved by 2 ranks)" in proc.stdout
+    return train_steps(continuous / name)
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(continuous, demo_data):
+    reference = train_steps(continuous / "continuous")
+    resumed = resume_from_step3(continuous, demo_data, "resumed", 2, "train.micro_batch_size=4")
+    assert sorted(resumed) == [4, 5, 6]
+    for step, values in resumed.items():
+        assert values == reference[step]  # exact: same ranks, same data order, same RNG
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(continuous, demo_data):
+    """DCP reshards model and optimizer; the same global batch (4 x 2 ranks = 4 x 2 grad-acc)
+    keeps the data order; only the reduction order differs."""
+    reference = train_steps(continuous / "continuous")
+    resumed = resume_from_step3(continuous, demo_data, "one_rank", 1, "train.micro_batch_size=4",
+                                "train.grad_accum_steps=2")
+    for step, (loss, norm) in resumed.items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-5)
+        assert norm == pytest.approx(reference[step][1], rel=1e-4)
+
+
+def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data):
+    """What a kill -9 during a save leaves (a step-N.tmp folder) is ignored; a committed but
+    truncated checkpoint that `latest` names is skipped for the previous good one."""
+    run = continuous / "damaged"
+    shutil.copytree(continuous / "continuous" / "checkpoints", run / "checkpoints")
+    (run / "checkpoints" / "step-9.tmp").mkdir()
+    (run / "checkpoints" / "step-9.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    shard = next((run / "checkpoints" / "step-6").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    proc = run_torchrun(demo(demo_data, continuous, "damaged", "train.max_steps=6", "train.micro_batch_size=4"), 2)
+    assert "skipping" in proc.stdout and "is missing or truncated" in proc.stdout
+    assert "resumed from" in proc.stdout and "step-3 (step 3" in proc.stdout
+    assert sorted(train_steps(run)) == [4, 5, 6]
+    assert not (run / "checkpoints" / "step-9.tmp").exists()  # cleaned once a new save committed
+    assert (run / "checkpoints" / "latest").read_text() == "step-6\n"
+
+    # Naming the truncated checkpoint explicitly is one clear error, not a crash loop.
+    bad = continuous / "bad"
+    shutil.copytree(continuous / "continuous" / "checkpoints" / "step-6", bad)
+    next(bad.glob("*.distcp")).unlink()
+    proc = subprocess.run([sys.executable, *demo(demo_data, continuous, "explicit", f"checkpoint.resume={bad}")],
+                          cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    assert f"checkpoint.resume='{bad}' is not a usable checkpoint: data file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_commits_a_checkpoint_and_asks_for_requeue(tmp_path, demo_data):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *demo(demo_data, tmp_path, "preempted", "train.max_steps=1000")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.time() - t0 < 30  # inside torchrun's SIGTERM -> SIGKILL grace
+    latest = (tmp_path / "preempted" / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.removeprefix("step-"))
+    assert step >= 2 and f"stopping at step {step} on SIGTERM" in stdout
+    assert f"exit code {REQUEUE_EXIT_CODE}" in stdout
+    assert proc.returncode != 0  # torchrun reports the stop as a failure, never as success
+
+    # The requeued job (same command) continues where it stopped.
+    rerun = run_torchrun(demo(demo_data, tmp_path, "preempted", f"train.max_steps={step + 2}"), 2)
+    assert f"(step {step}, saved by 2 ranks)" in rerun.stdout
+    assert sorted(s for s in train_steps(tmp_path / "preempted") if s > step) == [step + 1, step + 2]
+
+
+def test_sigterm_without_torchrun_exits_with_the_requeue_code(tmp_path, demo_data):
+    cmd = [sys.executable, "train.py", *demo(demo_data, tmp_path, "single", "train.max_steps=1000")[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "single" / "metrics.jsonl"
+    while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE
+    assert (tmp_path / "single" / "checkpoints" / "latest").is_file()
+
+
+def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data):
+    """The exported model, loaded by from_pretrained, gives the same held-out loss (HF's own loss
+    on the eval set) as the FSDP model's last eval; the tied embedding stays tied."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.collate import collate
+    from sft.config import load_config
+    from sft.data import load_sft_data
+    from sft.model import load_tokenizer
+
+    args = demo(demo_data, tmp_path, "exported", "train.max_steps=5", "checkpoint.export_hf=true",
+                "checkpoint.export_dtype=float32")
+    run_torchrun(args, nproc=2)
+    final_eval = [m["eval_loss"] for m in read_metrics(tmp_path / "exported") if "eval_loss" in m][-1]
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported" / "export")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    cfg = load_config(REPO / "configs" / "demo.yaml", args[3:])
+    _, evals = load_sft_data(cfg.data, load_tokenizer(cfg.model), seed=0)
+    ce, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(evals), 8):
+            batch = collate([evals[i] for i in range(start, min(start + 8, len(evals)))], 0, 256)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            ce += model(**batch).loss.item() * n
+            count += n
+    assert ce / count == pytest.approx(final_eval, rel=1e-5)
