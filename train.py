@@ -106,9 +106,11 @@ def main(argv: list[str] | None = None) -> None:
 
     start_step = 0
     if resume_from is not None:
+        t0 = time.perf_counter()
         state = load_checkpoint(resume_from, model, optimizer, scheduler, env)
         start_step = state["step"]
-        log0(f"resumed from {resume_from} (step {start_step}, saved by {state['world_size']} ranks)")
+        log0(f"resumed from {resume_from} (step {start_step}, saved by {state['world_size']} ranks) "
+             f"in {time.perf_counter() - t0:.1f} s")
         if state["global_batch"] != sampler.global_batch:
             log0(f"warning: global batch {sampler.global_batch} != {state['global_batch']} of the checkpoint; "
                  "the data order from here differs from the original run's")

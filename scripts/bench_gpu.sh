@@ -23,7 +23,7 @@ train() {  # train NAME CONFIG OVERRIDES...
   local t0=$SECONDS
   timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" train.py --config "$@" \
     train.run_name="$name" >"$LOGS/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s"; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
+  echo "$name: exit $? in $((SECONDS - t0)) s"; cp -f "runs/bench/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
 }
 
 for stage in "$@"; do
@@ -43,6 +43,23 @@ for stage in "$@"; do
         train "p7b-compile-$compile-ac$ratio" configs/bench/p7b.yaml model.name_or_path="$CKPT7B" \
           model.init=pretrained compile.enabled=$compile ac.ratio=$ratio train.max_steps="$STEPS"
       done; done ;;
+    ckpt)  # save + resume + export times for the 7B model (needs ckpt7b)
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 2 * 16)) --length 4096
+      P7B=(configs/bench/p7b.yaml model.name_or_path="$CKPT7B" model.init=pretrained train.overwrite=false)
+      train p7b-ckpt "${P7B[@]}" train.max_steps=8 checkpoint.export_hf=true
+      grep -E "saved|exported" "$LOGS/p7b-ckpt.log"
+      rm -f runs/bench/p7b-ckpt/finished  # continue the same run: resume + 2 more steps
+      train p7b-ckpt-resumed "${P7B[@]}" train.run_name=p7b-ckpt train.max_steps=10
+      grep -E "resumed|saved" "$LOGS/p7b-ckpt-resumed.log"
+      du -sh runs/bench/p7b-ckpt/checkpoints/* runs/bench/p7b-ckpt/export; rm -rf runs/bench/p7b-ckpt/checkpoints ;;
+    knobs)  # one change at a time against the compile + ac 0 baseline
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+      P7B=(configs/bench/p7b.yaml model.name_or_path="$CKPT7B" model.init=pretrained train.max_steps="$STEPS")
+      train p7b-base "${P7B[@]}"
+      train p7b-bf16-reduce "${P7B[@]}" fsdp.reduce_dtype=bfloat16
+      train p7b-zero2 "${P7B[@]}" fsdp.reshard_after_forward=false
+      train p7b-ga4-sync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8
+      train p7b-ga4-nosync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8 fsdp.sync_grads_each_microbatch=false ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

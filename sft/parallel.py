@@ -72,13 +72,15 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
     divide factor is 1 on every unit: the loss is already divided by the global count of
     supervised tokens (sft/loss.py), so FSDP must sum, not average, over ranks.
     """
-    options = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                   mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
-                                                  reduce_dtype=DTYPES[cfg.reduce_dtype]),
+    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
+                                                             reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
-    for block in blocks:
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again first thing in backward: keep them.
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
+    # None lets FSDP keep the root unsharded between forward and backward (an explicit True
+    # would free and re-gather the embeddings and lm_head every step).
+    fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
