@@ -18,12 +18,12 @@ STEPS=${STEPS:-12}
 LOGS=runs/bench/logs
 mkdir -p "$LOGS"
 
-train() {  # train NAME CONFIG OVERRIDES...
-  local name=$1; shift
+train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES may rename the run)
+  local name=$1 config=$2; shift 2
   local t0=$SECONDS
-  timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" train.py --config "$@" \
-    train.run_name="$name" >"$LOGS/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s"; cp -f "runs/bench/$name/metrics.jsonl" "$LOGS/$name.metrics.jsonl" 2>/dev/null; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
+  timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" train.py --config "$config" \
+    train.run_name="$name" "$@" >"$LOGS/$name.log" 2>&1
+  echo "$name: exit $? in $((SECONDS - t0)) s"; cp -f runs/bench/"$name"/metrics.jsonl "$LOGS/$name.metrics.jsonl" 2>/dev/null; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
 }
 
 for stage in "$@"; do
