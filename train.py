@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from sft.checkpoint import REQUEUE_EXIT_CODE, CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
-from sft.collate import collate
+from sft.collate import collate, collate_packed
 from sft.config import ConfigError, parse_args, to_yaml
-from sft.data import DataError, StepSampler, load_sft_data
+from sft.data import DataError, StepSampler, load_sft_data, pack_best_fit
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
 from sft.export import export_hf
@@ -66,22 +66,36 @@ def main(argv: list[str] | None = None) -> None:
     # Data before the model: bad data fails fast, before the expensive part.
     tokenizer = load_tokenizer(cfg.model)
     train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
-    sampler = StepSampler(len(train_data), cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
-                          env.rank, env.world_size, cfg.train.seed)
+    # With packing the sampler draws whole packed rows (lists of samples) instead of samples.
+    packed_rows = pack_best_fit(train_data["length"], cfg.data.max_seq_len) if cfg.data.packing else None
+    sampler = StepSampler(len(packed_rows) if packed_rows else len(train_data), cfg.train.micro_batch_size,
+                          cfg.train.grad_accum_steps, env.rank, env.world_size, cfg.train.seed)
     if sampler.steps_per_epoch == 0:
-        raise SystemExit(f"{len(train_data)} training samples < one global batch of {sampler.global_batch}; "
-                         "lower train.micro_batch_size or train.grad_accum_steps")
+        raise ConfigError(f"{sampler.num_samples} training {'rows' if packed_rows else 'samples'} < one global "
+                          f"batch of {sampler.global_batch}; lower train.micro_batch_size or train.grad_accum_steps")
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    log0(f"data: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples, "
-         f"global batch {sampler.global_batch}, {total_steps} steps")
+    log0(f"data: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples"
+         + (f", packed into {len(packed_rows)} rows of {cfg.data.max_seq_len}" if packed_rows else "")
+         + f", global batch {sampler.global_batch}, {total_steps} steps")
 
-    def make_batch(dataset, indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
-        """Collated micro-batch and its number of real (non-pad) tokens."""
+    def samples_of(dataset, indices: list[int]) -> list[dict]:
         rows = dataset[indices]
-        samples = [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
-        batch = collate(samples, tokenizer.pad_token_id, cfg.data.max_seq_len, cfg.data.pad_to_multiple_of,
-                        pad_to_max=cfg.data.pad_to == "max_seq_len")
-        return batch, sum(len(i) for i in rows["input_ids"])
+        return [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
+
+    def padded_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
+        return collate(samples, tokenizer.pad_token_id, cfg.data.max_seq_len, cfg.data.pad_to_multiple_of,
+                       pad_to_max=cfg.data.pad_to == "max_seq_len")
+
+    def train_batch(indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+        """A training micro-batch and its number of real (non-pad) tokens."""
+        if packed_rows is None:
+            samples = samples_of(train_data, indices)
+            return padded_batch(samples), sum(len(s["input_ids"]) for s in samples)
+        groups = [packed_rows[i] for i in indices]
+        samples = iter(samples_of(train_data, [i for group in groups for i in group]))
+        rows = [[next(samples) for _ in group] for group in groups]
+        tokens = sum(len(s["input_ids"]) for row in rows for s in row)
+        return collate_packed(rows, tokenizer.pad_token_id, cfg.data.max_seq_len), tokens
 
     # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
     # shard by shard, so no rank ever holds the full weights.
@@ -125,14 +139,17 @@ def main(argv: list[str] | None = None) -> None:
     def run_eval(step: int) -> float | None:
         if eval_data is None:
             return None
-        loss = evaluate(model, eval_data, cfg.train.micro_batch_size, lambda i: make_batch(eval_data, i)[0], env)
+        loss = evaluate(model, eval_data, cfg.train.micro_batch_size,
+                        lambda indices: padded_batch(samples_of(eval_data, indices)), env)
         log0(f"step {step}: eval loss {loss:.4f}")
         record({"step": step, "eval_loss": loss})
         return loss
 
     startup_s = seconds_since_process_start()
     log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
+        if not cfg.checkpoint.enabled:
+            return None
         state = {"step": step, "global_batch": sampler.global_batch, "world_size": env.world_size}
         t0 = time.perf_counter()
         path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg),
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     text_config = model.config.get_text_config()
     for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
-        micro_batches, token_counts = zip(*(make_batch(train_data, i) for i in sampler.micro_batches(step - 1)))
+        micro_batches, token_counts = zip(*(train_batch(i) for i in sampler.micro_batches(step - 1)))
         ce_sum, supervised = forward_backward(model, micro_batches, env.device, cfg.fsdp.sync_grads_each_microbatch)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm or float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm

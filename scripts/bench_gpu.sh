@@ -4,6 +4,9 @@
 #   smoke     the demo on all GPUs (bf16), 20 steps
 #   ckpt7b    save a random Qwen2.5-7B-shaped HF checkpoint to $CKPT7B (bf16 safetensors)
 #   fsdp      P-7B through the real loading path: ac.ratio 0 / 0.5 / 1, compile on and off
+#   ckpt      7B checkpoint save / resume / HF export times
+#   knobs     P-7B: bf16 reduce, ZeRO-2, deferred gradient sync with grad-acc 4
+#   packing   V-7B: padded vs packed (flex attention)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -60,6 +63,11 @@ for stage in "$@"; do
       train p7b-zero2 "${P7B[@]}" fsdp.reshard_after_forward=false
       train p7b-ga4-sync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8
       train p7b-ga4-nosync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8 fsdp.sync_grads_each_microbatch=false ;;
+    packing)  # workload V-7B: padded to the longest vs packed rows with flex attention
+      python3 scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4000 --lognormal 600 0.8
+      train v7b-padded configs/bench/v7b.yaml train.max_steps="$STEPS"
+      train v7b-packed configs/bench/v7b.yaml train.max_steps="$STEPS" data.packing=true train.micro_batch_size=2 \
+        model.attn_implementation=flex_attention ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

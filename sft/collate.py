@@ -31,3 +31,28 @@ def collate(samples: list[dict], pad_token_id: int, max_seq_len: int, pad_to_mul
         labels[row, :n] = torch.as_tensor(sample["labels"])
     position_ids = torch.arange(length).expand(len(samples), length).contiguous()
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def collate_packed(rows: list[list[dict]], pad_token_id: int, row_len: int) -> dict[str, torch.Tensor]:
+    """Each row is several samples laid end to end, right-padded to `row_len`.
+
+    Positions restart at 0 for every sample, which is how transformers' attention (sdpa and
+    flex_attention with use_cache=False) knows where one document ends: no token attends across
+    a boundary. Every sample's first label is already IGNORE_INDEX, so the last token of one
+    sample is never trained to predict the first of the next.
+    """
+    input_ids = torch.full((len(rows), row_len), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), row_len), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), row_len), dtype=torch.long)
+    for r, samples in enumerate(rows):
+        start = 0
+        for sample in samples:
+            n = len(sample["input_ids"])
+            input_ids[r, start : start + n] = torch.as_tensor(sample["input_ids"])
+            labels[r, start : start + n] = torch.as_tensor(sample["labels"])
+            position_ids[r, start : start + n] = torch.arange(n)
+            start += n
+        # The padding continues the last sample's positions, so it reads as part of it (and is
+        # ignored by the loss) rather than as a new document.
+        position_ids[r, start:] = torch.arange(start, row_len) - start + (position_ids[r, start - 1] + 1 if start else 0)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}

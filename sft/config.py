@@ -62,6 +62,9 @@ class DataConfig:
     """Which assistant turns are supervised."""
     pad_to: Literal["longest", "max_seq_len"] = "longest"
     """Right-pad each micro-batch to its longest sample, or always to max_seq_len (benchmarks)."""
+    packing: bool = False
+    """Pack samples into rows of max_seq_len tokens (best-fit decreasing), no attention across
+    samples: no padding waste. On GPUs pair it with model.attn_implementation: flex_attention."""
     pad_to_multiple_of: int = 64
     """Round padded lengths up to a multiple of this, so compiled blocks see few shapes."""
     num_proc: int = 1
@@ -149,6 +152,8 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True
+    """Write checkpoints (at the end, every_steps, and on SIGTERM/SIGUSR1). Off for benchmarks."""
     every_steps: int = 0
     """Save a checkpoint every N optimizer steps (0 = only at the end, and on SIGTERM/SIGUSR1)."""
     keep_last: int = 2
@@ -223,6 +228,8 @@ def _range_checks(cfg: Config) -> list[str]:
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
+    check(cfg.checkpoint.enabled or not cfg.checkpoint.export_hf, "checkpoint.export_hf", cfg.checkpoint.export_hf,
+          "exports from the final checkpoint: needs checkpoint.enabled=true")
     check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     check(cfg.checkpoint.resume in ("auto", "none") or Path(cfg.checkpoint.resume).is_dir(), "checkpoint.resume",
           cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")

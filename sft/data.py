@@ -16,19 +16,23 @@ Rank 0 tokenises first; the other ranks then read its cache.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
+from datasets.fingerprint import Hasher
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import DataConfig
 from sft.distributed import log0
+from sft import masking
 from sft.masking import DropSample, tokenize_conversation, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
@@ -117,9 +121,12 @@ def _tokenize_row(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: str, max_s
         else:
             messages, tools = to_messages(row, fmt)
             ids, labels = tokenize_conversation(tokenizer, messages, tools, max_seq_len, last_turn_only)
-        return {"input_ids": ids, "labels": labels, "drop_reason": ""}
+        return {"input_ids": ids, "labels": labels, "length": len(ids), "drop_reason": ""}
     except DropSample as e:
-        return {"input_ids": [], "labels": [], "drop_reason": str(e)}
+        return {"input_ids": [], "labels": [], "length": 0, "drop_reason": str(e)}
+
+
+_TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsource(masking)
 
 
 def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
@@ -128,9 +135,13 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
                   last_turn_only=cfg.train_on == "last_assistant")
 
+    # datasets keys its cache on the function's *name* for module-level functions, not its code:
+    # put the source of the tokenisation code in the key so an upgrade never reuses stale rows.
+    fingerprint = Hasher.hash([rows._fingerprint, _TOKENISATION_SOURCE, kwargs])
+
     def run() -> datasets.Dataset:
         return rows.map(_tokenize_row, fn_kwargs=kwargs, remove_columns=rows.column_names,
-                        num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                        num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
                         desc=f"tokenising {split_name}")
 
     # Rank 0 fills the datasets cache; the others then load it instead of tokenising again.
@@ -153,7 +164,7 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
 
 def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
                   seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Return (train, eval or None) with columns input_ids, labels."""
+    """Return (train, eval or None) with columns input_ids, labels, length."""
     rows = _load_rows(cfg.path, cfg.subset, cfg.split, cfg.cache_dir, "data.path").shuffle(seed=seed)
     if cfg.max_samples is not None:
         rows = rows.select(range(min(cfg.max_samples, len(rows))))
@@ -167,6 +178,24 @@ def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
     evals = _tokenize(eval_rows, tokenizer, cfg, f"data.eval={cfg.eval_path or cfg.path}", "eval") \
         if eval_rows is not None else None
     return train, evals
+
+
+def pack_best_fit(lengths: list[int], row_len: int) -> list[list[int]]:
+    """Group sample indices into rows of at most `row_len` tokens, best-fit decreasing: longest
+    first, each into the open row with the least room that still fits it."""
+    rows: list[list[int]] = []
+    by_room: list[list[int]] = [[] for _ in range(row_len + 1)]  # room left -> rows with that room
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[index]
+        room = next((r for r in range(n, row_len + 1) if by_room[r]), None)
+        if room is None:
+            rows.append([])
+            row, room = len(rows) - 1, row_len
+        else:
+            row = by_room[room].pop()
+        rows[row].append(index)
+        by_room[room - n].append(row)
+    return rows
 
 
 @functools.lru_cache(maxsize=2)
