@@ -52,3 +52,13 @@ def test_finished_run_is_not_overwritten(tmp_path, demo_data):
     proc = run_torchrun(args, nproc=1, check=False)
     assert proc.returncode != 0
     assert "holds a finished run; set train.overwrite=true" in proc.stderr
+
+
+def test_packing_is_a_yaml_switch(tmp_path, demo_data):
+    proc = run_torchrun(demo_args(demo_data, tmp_path, "packed", "data.packing=true", "train.micro_batch_size=2",
+                                  "train.max_steps=12", "eval.every_steps=0"), nproc=2)
+    assert "packed into" in proc.stdout
+    steps = [m for m in read_metrics(tmp_path / "packed") if "loss" in m]
+    assert len(steps) == 12 and steps[-1]["loss"] < steps[0]["loss"]
+    evals = [m["eval_loss"] for m in read_metrics(tmp_path / "packed") if "eval_loss" in m]
+    assert evals[-1] < evals[0]
