@@ -23,6 +23,8 @@ demo-data:
 
 demo: install demo-data
 	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) train.py --config configs/demo.yaml
+	-$(PYTHON) -m sft.plot runs/demo
+	$(PYTHON) -m sft.chat runs/demo/export --prompt "Spell the word 'rocket'."
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -11,9 +11,10 @@ optimizer -> training loop with held-out eval. The machinery lives in sft/, one 
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import random
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
 from sft.export import export_hf
 from sft.loss import attach_sft_loss, forward_backward
-from sft.metrics import (PEAK_BF16_FLOPS, flops_per_token, host_peak_rss_gib, peak_memory_gib,
+from sft.metrics import (PEAK_BF16_FLOPS, MetricsLogger, flops_per_token, host_peak_rss_gib, peak_memory_gib,
                          seconds_since_process_start)
 from sft.model import ModelError, build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.optim import build_optimizer, build_scheduler
@@ -118,31 +119,26 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
 
-    start_step = 0
+    start_step, tokens_seen = 0, 0
     if resume_from is not None:
         t0 = time.perf_counter()
         state = load_checkpoint(resume_from, model, optimizer, scheduler, env)
-        start_step = state["step"]
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
         log0(f"resumed from {resume_from} (step {start_step}, saved by {state['world_size']} ranks) "
              f"in {time.perf_counter() - t0:.1f} s")
         if state["global_batch"] != sampler.global_batch:
             log0(f"warning: global batch {sampler.global_batch} != {state['global_batch']} of the checkpoint; "
                  "the data order from here differs from the original run's")
     stop = StopRequest()
-    metrics = open(run_dir / "metrics.jsonl", "a" if resume_from else "w") if env.is_main else None
-
-    def record(entry: dict) -> None:
-        if metrics:
-            metrics.write(json.dumps(entry) + "\n")
-            metrics.flush()
+    logger = MetricsLogger(run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
+                           start_step, enabled=env.is_main)
 
     def run_eval(step: int) -> float | None:
         if eval_data is None:
             return None
         loss = evaluate(model, eval_data, cfg.train.micro_batch_size,
                         lambda indices: padded_batch(samples_of(eval_data, indices)), env)
-        log0(f"step {step}: eval loss {loss:.4f}")
-        record({"step": step, "eval_loss": loss})
+        logger.log({"step": step, "eval_loss": loss})
         return loss
 
     startup_s = seconds_since_process_start()
@@ -150,14 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     def save(step: int) -> Path | None:
         if not cfg.checkpoint.enabled:
             return None
-        state = {"step": step, "global_batch": sampler.global_batch, "world_size": env.world_size}
+        state = {"step": step, "tokens_seen": tokens_seen, "global_batch": sampler.global_batch,
+                 "world_size": env.world_size}
         t0 = time.perf_counter()
         path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg),
                                cfg.checkpoint.keep_last, env)
-        log0(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+        logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s")
         return path
 
     first_eval = last_eval = run_eval(start_step)
+    step_times: list[float] = []
     text_config = model.config.get_text_config()
     for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
@@ -175,8 +173,11 @@ def main(argv: list[str] | None = None) -> None:
         ce_total, tokens, flops, stops = all_reduce_sum(
             [ce_sum.item(), sum(token_counts), flops, float(stop.requested)], env.device).tolist()
         step_time = time.perf_counter() - t0
+        step_times.append(step_time)
+        tokens_seen += int(tokens)
         entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm.item(), "lr": lr,
-                 "tokens": int(tokens), "supervised_tokens": int(supervised), "step_time": step_time,
+                 "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": tokens_seen,
+                 "step_time": step_time, "eta_s": (total_steps - step) * statistics.median(step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / step_time / env.world_size,
                  "supervised_tokens_per_s_per_gpu": supervised / step_time / env.world_size,
                  "peak_memory_gib": peak_memory_gib(env.device)}
@@ -184,15 +185,10 @@ def main(argv: list[str] | None = None) -> None:
             entry["mfu"] = flops / step_time / env.world_size / PEAK_BF16_FLOPS
         if step == 1:
             entry.update(startup_s=startup_s, host_peak_rss_gib_per_rank=rss)
-        record(entry)
-        if step % cfg.logging.every_steps == 0 or step == total_steps:
-            log0(f"step {step}/{total_steps} | loss {entry['loss']:.4f} | grad norm {entry['grad_norm']:.3f} | "
-                 f"lr {lr:.2e} | {entry['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
-                 + (f" | MFU {entry['mfu']:.1%}" if "mfu" in entry else "")
-                 + (f" | peak {entry['peak_memory_gib']:.1f} GiB" if env.device.type == "cuda" else "")
-                 + f" | {step_time:.2f} s")
+        logger.log(entry)
         if stops:
             save(step)
+            logger.close()
             log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s signal'}; "
                  f"exit code {REQUEUE_EXIT_CODE} asks for a requeue")
             dist.barrier()
@@ -206,12 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         last_eval = run_eval(total_steps)
         log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
     final = save(total_steps) if start_step < total_steps else resume_from
+    logger.close()
     if env.is_main:
         if cfg.checkpoint.export_hf:
             t0 = time.perf_counter()
             export_hf(final, run_dir / "export", cfg.checkpoint.export_dtype)
             log0(f"exported a Hugging Face model to {run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
-        metrics.close()
         (run_dir / "finished").touch()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import dataclasses
 import inspect
 import sys
@@ -170,7 +171,14 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     every_steps: int = 1
-    """Print a log line every N optimizer steps."""
+    """Print a log line every N optimizer steps (metrics.jsonl always gets every step)."""
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """bar: a progress bar instead of per-step log lines; lines: log lines; auto: the bar only when
+    stdout is a terminal (so Slurm logs get plain lines)."""
+    tensorboard: bool = False
+    """Also write scalars to <run>/tb for TensorBoard (pip install tensorboard)."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (pip install wandb)."""
 
 
 @dataclass
@@ -233,6 +241,10 @@ def _range_checks(cfg: Config) -> list[str]:
     check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     check(cfg.checkpoint.resume in ("auto", "none") or Path(cfg.checkpoint.resume).is_dir(), "checkpoint.resume",
           cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")
+    for key, enabled, package in (("logging.tensorboard", cfg.logging.tensorboard, "tensorboard"),
+                                  ("logging.wandb_project", cfg.logging.wandb_project, "wandb")):
+        check(not enabled or importlib.util.find_spec(package) is not None, key, enabled,
+              f"needs the {package} package: pip install {package} (or turn it off)")
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and _looks_like_local_file(value):

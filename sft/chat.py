@@ -1,0 +1,52 @@
+"""Chat with an exported model, the quick sanity check after fine-tuning.
+
+    python -m sft.chat runs/demo/export --prompt "What is 12 + 30?"     # one answer
+    python -m sft.chat runs/demo/export                                 # interactive, multi-turn
+
+Uses the model's own chat template; greedy decoding by default. For real evaluation use
+lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                           return_tensors="pt").to(model.device)
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", help="an export directory (or any Hugging Face chat model)")
+    parser.add_argument("--prompt", help="answer this one prompt and exit")
+    parser.add_argument("--system", help="an optional system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).eval()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
+    for prompt in prompts:
+        messages.append({"role": "user", "content": prompt})
+        answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature)
+        messages.append({"role": "assistant", "content": answer})
+        print(answer if args.prompt else f"model> {answer}", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (EOFError, KeyboardInterrupt):
+        pass

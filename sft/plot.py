@@ -1,0 +1,62 @@
+"""Plot a run's curves: `python -m sft.plot <run_dir>` writes <run_dir>/curves.png.
+
+Training loss, held-out loss, learning rate and throughput against the optimizer step, read from
+metrics.jsonl. Needs matplotlib (pip install matplotlib); nothing else in sft imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
+    """Per-step training entries and eval losses; a resumed run's repeated steps keep the last value."""
+    steps, evals = {}, {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "eval_loss" in entry:
+            evals[entry["step"]] = entry["eval_loss"]
+        else:
+            steps[entry["step"]] = entry
+    return steps, evals
+
+
+def plot(run_dir: Path) -> Path:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("sft.plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, evals = read_metrics(run_dir)
+    x = sorted(steps)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(x, [steps[s]["loss"] for s in x], label="train loss", lw=1)
+    if evals:
+        axes[0].plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", label="eval loss")
+    axes[0].set(xlabel="step", ylabel="loss (per supervised token)", title="loss")
+    axes[0].legend()
+    axes[1].plot(x, [steps[s]["lr"] for s in x])
+    axes[1].set(xlabel="step", ylabel="learning rate", title="learning rate")
+    axes[2].plot(x, [steps[s]["tokens_per_s_per_gpu"] for s in x], label="all tokens")
+    axes[2].plot(x, [steps[s]["supervised_tokens_per_s_per_gpu"] for s in x], label="supervised")
+    axes[2].set(xlabel="step", ylabel="tokens/s/GPU", title="throughput")
+    axes[2].legend()
+    fig.suptitle(run_dir.name)
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    print(f"wrote {plot(parser.parse_args().run_dir)}")
+
+
+if __name__ == "__main__":
+    main()
