@@ -40,6 +40,10 @@ def init_distributed() -> DistEnv:
                           MASTER_PORT=str(_free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
+    expected = os.environ.get("SFT_EXPECTED_WORLD_SIZE")  # set by slurm/train.slurm: nodes x GPUs
+    if expected and int(expected) != world_size:
+        raise RuntimeError(f"torchrun formed a world of {world_size} ranks, expected {expected} (nodes x GPUs): "
+                           "the nodes did not all join one rendezvous")
     if torch.cuda.is_available():
         # Fewer fragmentation OOMs with variable-length batches (must be set before CUDA starts).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

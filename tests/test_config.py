@@ -80,15 +80,17 @@ def test_train_py_fails_before_creating_anything(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_configs_validate(path, monkeypatch):
+@pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_validate(path, tmp_path, monkeypatch):
+    """Every shipped config loads; data files that `make demo` / the bench scripts generate are
+    stood in for by an empty file (only their existence is checked at parse time)."""
     monkeypatch.chdir(REPO)
-    (REPO / "data" / "demo").mkdir(parents=True, exist_ok=True)
-    for name in ("train.jsonl", "eval.jsonl"):
-        (REPO / "data" / "demo" / name).touch()
-    load_config(path)
-
-
-def test_readme_config_reference_is_current():
-    readme = (REPO / "README.md").read_text()
-    assert reference_markdown() in readme, "run: python -m sft.config --readme README.md"
+    tree = yaml.safe_load(path.read_text())
+    overrides = []
+    for key in ("path", "eval_path"):
+        value = tree["data"].get(key)
+        if value and value.startswith("data/") and not (REPO / value).exists():
+            (tmp_path / Path(value).name).touch()
+            overrides.append(f"data.{key}={tmp_path / Path(value).name}")
+    cfg = load_config(path, overrides)
+    assert cfg.model.name_or_path and cfg.data.path
