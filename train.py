@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import shutil
 import statistics
 import sys
 import time
@@ -23,10 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sft.checkpoint import REQUEUE_EXIT_CODE, CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint
-from sft.collate import collate, collate_packed
+from sft.checkpoint import REQUEUE_EXIT_CODE, CheckpointError, load_checkpoint, prepare_run_dir, save_checkpoint
 from sft.config import ConfigError, parse_args, to_yaml
-from sft.data import DataError, StepSampler, load_sft_data, pack_best_fit
+from sft.data import DataError, MicroBatches, StepSampler, load_sft_data, pack_best_fit
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
 from sft.export import export_hf
@@ -47,22 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
-    # The run directory: a finished run is kept unless train.overwrite; an unfinished one (stopped
-    # or preempted) is continued from its newest complete checkpoint (checkpoint.resume=auto).
     run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
-    finished = (run_dir / "finished").exists()
-    if finished and not cfg.train.overwrite:
-        raise ConfigError(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
-    dist.barrier()  # every rank has looked before rank 0 changes anything
-    if env.is_main:
-        if finished:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-            (run_dir / "finished").unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
-    dist.barrier()
-    resume_from = find_checkpoint(ckpt_root, cfg.checkpoint.resume)
+    resume_from = prepare_run_dir(cfg, env)
 
     # Data before the model: bad data fails fast, before the expensive part.
     tokenizer = load_tokenizer(cfg.model)
@@ -79,24 +63,8 @@ def main(argv: list[str] | None = None) -> None:
          + (f", packed into {len(packed_rows)} rows of {cfg.data.max_seq_len}" if packed_rows else "")
          + f", global batch {sampler.global_batch}, {total_steps} steps")
 
-    def samples_of(dataset, indices: list[int]) -> list[dict]:
-        rows = dataset[indices]
-        return [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
-
-    def padded_batch(samples: list[dict]) -> dict[str, torch.Tensor]:
-        return collate(samples, tokenizer.pad_token_id, cfg.data.max_seq_len, cfg.data.pad_to_multiple_of,
-                       pad_to_max=cfg.data.pad_to == "max_seq_len")
-
-    def train_batch(indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
-        """A training micro-batch and its number of real (non-pad) tokens."""
-        if packed_rows is None:
-            samples = samples_of(train_data, indices)
-            return padded_batch(samples), sum(len(s["input_ids"]) for s in samples)
-        groups = [packed_rows[i] for i in indices]
-        samples = iter(samples_of(train_data, [i for group in groups for i in group]))
-        rows = [[next(samples) for _ in group] for group in groups]
-        tokens = sum(len(s["input_ids"]) for row in rows for s in row)
-        return collate_packed(rows, tokenizer.pad_token_id, cfg.data.max_seq_len), tokens
+    train_batch = MicroBatches(train_data, tokenizer.pad_token_id, cfg.data, packed_rows)
+    eval_batch = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
 
     # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
     # shard by shard, so no rank ever holds the full weights.
@@ -136,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     def run_eval(step: int) -> float | None:
         if eval_data is None:
             return None
-        loss = evaluate(model, eval_data, cfg.train.micro_batch_size,
-                        lambda indices: padded_batch(samples_of(eval_data, indices)), env)
+        loss = evaluate(model, eval_batch, cfg.train.micro_batch_size, env)
         logger.log({"step": step, "eval_loss": loss})
         return loss
 

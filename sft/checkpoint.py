@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, log0
 
 # The exit status of a run that stopped on SIGTERM/SIGUSR1 after committing a checkpoint:
@@ -160,3 +161,26 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
         _set_rng_state(torch.load(rng, weights_only=False))
     return json.loads((path / "train_state.json").read_text())
+
+
+def prepare_run_dir(cfg: Config, env: DistEnv) -> Path | None:
+    """Create the run directory and return the checkpoint to resume from (or None).
+
+    A finished run is kept unless train.overwrite (then its checkpoints are dropped and it starts
+    over); an unfinished one (stopped, preempted, crashed) continues from its newest complete
+    checkpoint when checkpoint.resume is auto.
+    """
+    run_dir = cfg.run_dir
+    finished = (run_dir / "finished").exists()
+    if finished and not cfg.train.overwrite:
+        raise ConfigError(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
+    dist.barrier()  # every rank has looked before rank 0 changes anything
+    if env.is_main:
+        if finished:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            (run_dir / "finished").unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
+    dist.barrier()
+    return find_checkpoint(run_dir / "checkpoints", cfg.checkpoint.resume)

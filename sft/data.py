@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from sft.config import DataConfig
 from sft.distributed import log0
 from sft import masking
+from sft.collate import collate, collate_packed
 from sft.masking import DropSample, tokenize_conversation, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
@@ -236,3 +237,29 @@ class StepSampler:
         start = k * self.global_batch + self.rank * per_rank
         mine = order[start : start + per_rank].tolist()
         return [mine[i : i + self.micro_batch_size] for i in range(0, per_rank, self.micro_batch_size)]
+
+
+class MicroBatches:
+    """Builds collated micro-batches from sampler indices: samples padded per micro-batch, or with
+    `packed_rows`, indices of packed rows whose samples are laid end to end."""
+
+    def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig,
+                 packed_rows: list[list[int]] | None = None):
+        self.dataset, self.pad_token_id, self.cfg, self.packed_rows = dataset, pad_token_id, cfg, packed_rows
+
+    def _samples(self, indices: list[int]) -> list[dict]:
+        rows = self.dataset[indices]
+        return [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
+
+    def __call__(self, indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
+        """The micro-batch and its number of real (non-pad) tokens."""
+        if self.packed_rows is None:
+            samples = self._samples(indices)
+            batch = collate(samples, self.pad_token_id, self.cfg.max_seq_len, self.cfg.pad_to_multiple_of,
+                            pad_to_max=self.cfg.pad_to == "max_seq_len")
+            return batch, sum(len(s["input_ids"]) for s in samples)
+        groups = [self.packed_rows[i] for i in indices]
+        samples = iter(self._samples([i for group in groups for i in group]))
+        rows = [[next(samples) for _ in group] for group in groups]
+        tokens = sum(len(s["input_ids"]) for row in rows for s in row)
+        return collate_packed(rows, self.pad_token_id, self.cfg.max_seq_len), tokens

@@ -3,32 +3,30 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
-import datasets
 import torch
 from torch import nn
 
+from sft.data import MicroBatches
 from sft.distributed import DistEnv, all_reduce_sum
 from sft.loss import count_supervised
 from sft.masking import IGNORE_INDEX
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: datasets.Dataset, micro_batch_size: int,
-             make_batch: Callable[[list[int]], dict[str, torch.Tensor]], env: DistEnv) -> float:
-    """Mean CE per supervised token over `dataset`, samples spread round-robin over ranks.
+def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env: DistEnv) -> float:
+    """Mean CE per supervised token over the eval set, samples spread round-robin over ranks.
 
     Every rank runs the same number of forward passes (FSDP's collectives need it); a rank that
     runs out of samples feeds a batch whose labels are all ignored, which adds nothing.
     """
     model.eval()
-    mine = list(range(env.rank, len(dataset), env.world_size))
-    num_batches = math.ceil(math.ceil(len(dataset) / env.world_size) / micro_batch_size)
+    size = len(batches.dataset)
+    mine = list(range(env.rank, size, env.world_size))
+    num_batches = math.ceil(math.ceil(size / env.world_size) / micro_batch_size)
     ce_sum, tokens = torch.zeros((), dtype=torch.float64, device=env.device), 0
     for b in range(num_batches):
         indices = mine[b * micro_batch_size : (b + 1) * micro_batch_size]
-        batch = make_batch(indices or [0])
+        batch, _ = batches(indices or [0])
         if not indices:
             batch["labels"].fill_(IGNORE_INDEX)
         tokens += count_supervised(batch)
