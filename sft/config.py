@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 
 
@@ -233,6 +234,8 @@ def _range_checks(cfg: Config) -> list[str]:
           "must be >= 1, or null for all rows")
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
+    check(not cfg.fsdp.cpu_offload or torch.cuda.is_available(), "fsdp.cpu_offload", cfg.fsdp.cpu_offload,
+          "offloads GPU training state to host memory: needs GPUs")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from safetensors import safe_open
@@ -23,7 +22,7 @@ from sft.distributed import all_reduce_sum, init_distributed
 from sft.loss import attach_sft_loss, forward_backward
 from sft.model import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.optim import build_optimizer
-from sft.parallel import parallelize
+from sft.parallel import build_mesh, parallelize
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +57,7 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32")
     p.add_argument("--ac-ratio", type=float, default=0.0)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     args = p.parse_args()
@@ -78,9 +78,9 @@ def main() -> None:
         result["loss"] = loss.item()
         named = dict(model.named_parameters())
     else:
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mesh = build_mesh(env.device.type, env.world_size, args.replicate)
         parallelize(model, decoder_blocks(model), mesh, args.ac_ratio, args.compile,
-                    FSDPConfig(param_dtype=args.param_dtype))
+                    FSDPConfig(param_dtype=args.param_dtype, replicate_degree=args.replicate))
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, model_cfg, buffers, env.device, seed=0)

@@ -41,6 +41,15 @@ def test_fsdp_fp32_equals_single_process_reference(tmp_path, models, tie):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
 
 
+def test_hsdp_equals_the_reference(tmp_path, models):
+    """HSDP with 2 replicas x 1 shard (gradients all-reduced across replicas) gives the
+    single-process gradients too. (CPU offload needs a GPU and is not tested here.)"""
+    ref = worker(tmp_path, models["untied"], 1, "ref", "--reference")
+    run = worker(tmp_path, models["untied"], 2, "hsdp", "--grad-accum", "2", "--replicate", "2")
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-7)
+
+
 def test_logged_loss_is_layout_invariant(tmp_path, demo_data):
     """train.py end to end: (1 rank, micro 2, grad-acc 4) and (2 ranks, micro 2, grad-acc 2) log the
     same token-weighted loss and grad norm at every step, since they see the same global batches."""
