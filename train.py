@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sft.checkpoint import REQUEUE_EXIT_CODE, CheckpointError, load_checkpoint, prepare_run_dir, save_checkpoint
+from sft.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, load_checkpoint, load_prepared_model, prepare_run_dir,
+                            save_checkpoint, save_prepared_model)
 from sft.config import ConfigError, parse_args, to_yaml
 from sft.data import DataError, MicroBatches, StepSampler, load_sft_data, pack_best_fit
 from sft.distributed import all_reduce_sum, init_distributed, log0
@@ -31,7 +32,8 @@ from sft.export import export_hf
 from sft.loss import attach_sft_loss, forward_backward
 from sft.metrics import (PEAK_BF16_FLOPS, MetricsLogger, flops_per_token, host_peak_rss_gib, peak_memory_gib,
                          seconds_since_process_start)
-from sft.model import ModelError, build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.model import (ModelError, build_meta_model, decoder_blocks, initial_weights, load_tokenizer, load_weights,
+                       materialize, real_buffers)
 from sft.optim import build_optimizer, build_scheduler
 from sft.parallel import build_mesh, parallelize
 from sft.preemption import StopRequest
@@ -72,9 +74,17 @@ def main(argv: list[str] | None = None) -> None:
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
-    # When resuming, the checkpoint overwrites every weight: skip reading the initial ones.
-    materialize(model, cfg.model, buffers, env.device, cfg.train.seed, offload=cfg.fsdp.cpu_offload,
-                load=resume_from is None)
+    # Initial weights come from the run's checkpoint when resuming, else from the prepared-model
+    # cache if there is one, else from the Hugging Face files (or the random init).
+    materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
+    prepared = Path(cfg.model.prepared_cache) if cfg.model.prepared_cache else None
+    if resume_from is None and not (prepared and load_prepared_model(prepared, model)):
+        load_weights(model, initial_weights(cfg.model, cfg.train.seed), env.device)
+        if prepared:
+            save_prepared_model(prepared, model, env)
+            log0(f"wrote the prepared-model cache {prepared}")
+    elif resume_from is None:
+        log0(f"loaded the prepared-model cache {prepared}")
     attach_sft_loss(model)
     model.train()
     num_params = sum(p.numel() for p in model.parameters())

@@ -109,11 +109,11 @@ def _committed(root: Path) -> list[Path]:
     return [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
 
 
-def checkpoint_problem(path: Path) -> str | None:
-    """Why `path` is not a complete checkpoint, or None if it is."""
+def checkpoint_problem(path: Path, required: tuple[str, ...] = _FILES) -> str | None:
+    """Why `path` is not a complete checkpoint (with the `required` files besides DCP's), or None."""
     if not path.is_dir():
         return "no such directory"
-    missing = [f for f in (".metadata", *_FILES) if not (path / f).is_file()]
+    missing = [f for f in (".metadata", *required) if not (path / f).is_file()]
     if missing:
         return f"missing {', '.join(missing)}"
     try:
@@ -184,3 +184,28 @@ def prepare_run_dir(cfg: Config, env: DistEnv) -> Path | None:
         log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
     dist.barrier()
     return find_checkpoint(run_dir / "checkpoints", cfg.checkpoint.resume)
+
+
+def load_prepared_model(path: Path, model: nn.Module) -> bool:
+    """Fill `model` from a prepared-model cache (a DCP copy of the loaded, cast, sharded initial
+    weights) if `path` holds a complete one; return whether it did."""
+    if checkpoint_problem(path, required=()) is not None:
+        return False
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    return True
+
+
+def save_prepared_model(path: Path, model: nn.Module, env: DistEnv) -> None:
+    """Write the prepared-model cache once, committed like a checkpoint (tmp, barrier, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
+    dist.barrier()
+    if env.is_main:
+        os.replace(tmp, path)
+    dist.barrier()

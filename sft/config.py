@@ -41,7 +41,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow custom modeling code from the hub. Off unless you trust the repository."""
     attn_implementation: str = "sdpa"
-    """Attention kernel passed to transformers (sdpa, eager, flash_attention_2, ...)."""
+    """Attention kernel passed to transformers (sdpa, eager, flex_attention, flash_attention_2, ...)."""
+    prepared_cache: str | None = None
+    """A directory for a one-time sharded (DCP) copy of the loaded float32 model: the first run
+    writes it, later runs of the same model load it instead of the Hugging Face files."""
 
 
 @dataclass

@@ -155,10 +155,10 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             local.copy_(weights.read(clean_name(name), index, device))
 
 
-def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Tensor], device: torch.device,
-                seed: int, offload: bool = False, load: bool = True) -> None:
-    """Allocate this rank's shards on `device`, restore buffers, then (if `load`) fill the weights
-    from the checkpoint or the random init."""
+def materialize(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device,
+                offload: bool = False) -> None:
+    """Allocate storage for this rank's shards on `device` (values undefined until load_weights or
+    a checkpoint fills them) and restore the buffers."""
     # With CPU offload, FSDP keeps the shards in host memory.
     model.to_empty(device="cpu" if offload else device)
     # to_empty gives every parameter new storage, which unties tied embeddings on an unsharded
@@ -168,7 +168,8 @@ def materialize(model: nn.Module, cfg: ModelConfig, buffers: dict[str, torch.Ten
         for name in list(module._buffers):
             if module._buffers[name] is not None:  # buffers are not sharded; they live on the device
                 module._buffers[name] = buffers[clean_name(f"{module_name}.{name}".lstrip("."))].to(device)
-    if load:
-        weights = SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
-        load_weights(model, weights, device)
     assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"
+
+
+def initial_weights(cfg: ModelConfig, seed: int) -> SafetensorsWeights | RandomWeights:
+    return SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)

@@ -20,7 +20,8 @@ from sft.collate import collate
 from sft.config import FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.loss import attach_sft_loss, forward_backward
-from sft.model import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
+from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_weights, materialize,
+                       real_buffers)
 from sft.optim import build_optimizer
 from sft.parallel import build_mesh, parallelize
 
@@ -71,7 +72,8 @@ def main() -> None:
     result: dict = {}
 
     if args.reference:
-        materialize(model, model_cfg, buffers, env.device, seed=0)
+        materialize(model, buffers, env.device)
+        load_weights(model, initial_weights(model_cfg, 0), env.device)
         batch = collate(samples, pad_token_id=0, max_seq_len=4096)
         loss = model(**batch).loss
         loss.backward()
@@ -83,7 +85,8 @@ def main() -> None:
                     FSDPConfig(param_dtype=args.param_dtype, replicate_degree=args.replicate))
         reset_peak_rss()
         rss_before = peak_rss_gib()
-        materialize(model, model_cfg, buffers, env.device, seed=0)
+        materialize(model, buffers, env.device)
+        load_weights(model, initial_weights(model_cfg, 0), env.device)
         rss = torch.zeros(env.world_size)
         rss[env.rank] = peak_rss_gib() - rss_before
         result["load_rss_increase_gib"] = all_reduce_sum(rss, env.device).tolist()

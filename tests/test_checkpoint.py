@@ -157,3 +157,18 @@ def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data
             ce += model(**batch).loss.item() * n
             count += n
     assert ce / count == pytest.approx(final_eval, rel=1e-5)
+
+
+def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
+    """The first run writes the loaded fp32 model as DCP; a later run (other seed, other world
+    size) starts from it: same initial eval loss although its own random init would differ."""
+    cache = tmp_path / "prepared"
+    first = run_torchrun(demo(demo_data, tmp_path, "first", "train.max_steps=1", f"model.prepared_cache={cache}"), 2)
+    assert f"wrote the prepared-model cache {cache}" in first.stdout and (cache / ".metadata").is_file()
+    second = run_torchrun(demo(demo_data, tmp_path, "second", "train.max_steps=1", "train.seed=7",
+                               f"model.prepared_cache={cache}"), 1)
+    assert f"loaded the prepared-model cache {cache}" in second.stdout
+    initial = [[m["eval_loss"] for m in read_metrics(tmp_path / run) if "eval_loss" in m][0] for run in ("first", "second")]
+    assert initial[1] == pytest.approx(initial[0], rel=1e-6)
+    fresh = run_torchrun(demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7"), 1)
+    assert [m["eval_loss"] for m in read_metrics(tmp_path / "fresh") if "eval_loss" in m][0] != initial[0]

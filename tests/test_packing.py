@@ -10,14 +10,15 @@ from sft.collate import collate, collate_packed
 from sft.config import ModelConfig
 from sft.data import pack_best_fit
 from sft.loss import attach_sft_loss
-from sft.model import build_meta_model, materialize, real_buffers
+from sft.model import build_meta_model, initial_weights, load_weights, materialize, real_buffers
 
 
 @pytest.fixture(scope="module")
 def model():
     cfg = ModelConfig(name_or_path=str(DEMO_MODEL), init="random")
     m = build_meta_model(cfg)
-    materialize(m, cfg, real_buffers(m), torch.device("cpu"), seed=0)
+    materialize(m, real_buffers(m), torch.device("cpu"))
+    load_weights(m, initial_weights(cfg, 0), torch.device("cpu"))
     attach_sft_loss(m)
     return m.eval()
 
