@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).train(False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
     for prompt in prompts:
