@@ -19,7 +19,7 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
     Every rank runs the same number of forward passes (FSDP's collectives need it); a rank that
     runs out of samples feeds a batch whose labels are all ignored, which adds nothing.
     """
-    model.train(False)  # inference mode for dropout-style layers (same as .eval())
+    model.train(False)  # inference mode (dropout off), restored below
     size = len(batches.dataset)
     mine = list(range(env.rank, size, env.world_size))
     num_batches = math.ceil(math.ceil(size / env.world_size) / micro_batch_size)
