@@ -76,7 +76,7 @@ def test_chat_answers_from_the_export(run):
 
 def test_progress_bar_on_request(tmp_path, demo_data):
     proc = run_torchrun(["train.py", "--config", "configs/demo.yaml", f"data.path={demo_data / 'train.jsonl'}",
-                         f"train.output_dir={tmp_path}", "train.run_name=bar", "train.max_steps=3",
+                         f"data.eval_path={demo_data / 'eval.jsonl'}", f"train.output_dir={tmp_path}", "train.run_name=bar", "train.max_steps=3",
                          "logging.progress=bar", "checkpoint.enabled=false", "checkpoint.export_hf=false"], nproc=1)
     assert "3/3" in proc.stderr and "step/s" in proc.stderr
     assert "| loss" not in proc.stdout  # the bar replaces the per-step lines
