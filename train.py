@@ -36,6 +36,7 @@ from sft.model import (ModelError, build_meta_model, decoder_blocks, initial_wei
                        materialize, real_buffers)
 from sft.optim import build_optimizer, build_scheduler
 from sft.parallel import build_mesh, parallelize
+from sft.plan import GIB, check_fits
 from sft.preemption import StopRequest
 
 
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
     # shard by shard, so no rank ever holds the full weights.
     model = build_meta_model(cfg.model)
+    if env.device.type == "cuda":  # before anything is allocated: would this run fit?
+        warning = check_fits(model, cfg, env.world_size, torch.cuda.get_device_properties(env.device).total_memory / GIB)
+        if warning:
+            log0(warning)
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)

@@ -1,0 +1,131 @@
+"""Memory planner: predict per-GPU peak memory and pick the sAC ratio and micro-batch that fit.
+
+    python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
+
+Peak = the larger of two moments, + 5% allocator slack. End of forward: fp32 params and both Adam
+moments (12 bytes per parameter over the shard group; gradients are None between steps), the
+gathered bf16 blocks in flight (current + prefetched block, the root's embeddings and lm_head,
+one block's unsharded fp32 gradients), activations (a checkpointed block keeps only its input,
+the others everything backward needs, plus one block being recomputed) and the loss buffers (one
+chunk of fp32 logits and its gradient, the fp32 lm_head gradient formed in forward). End of
+backward: all 16 bytes per parameter of sharded state, the gathered blocks, one block's activations. The activation bytes per token and
+layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16 tensors an RMSNorm/attention/SwiGLU block
+saves), and 0.7 of that compiled (fusion saves fewer intermediates): both factors were calibrated
+on Qwen2.5-7B shapes on 4 H200 (docs/BENCHMARKS.md "Memory planner"), so treat other shapes as
+estimates and leave a margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from torch import nn
+
+from sft.config import Config, load_config
+from sft.loss import _LOGITS_PER_CHUNK
+from sft.model import build_meta_model, decoder_blocks
+
+GIB = 2**30
+COMPILED_ACTIVATION_FACTOR = 0.7
+ALLOCATOR_SLACK = 1.05
+
+
+@dataclass(frozen=True)
+class Shapes:
+    params: int
+    block_params: int
+    root_params: int
+    layers: int
+    hidden: int
+    ffn: int
+    kv_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Shapes:
+        text = model.config.get_text_config()
+        params = sum(p.numel() for p in model.parameters())
+        block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
+                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim, text.vocab_size)
+
+
+def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool) -> float:
+    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch."""
+    gathered = 2 * 2 * s.block_params + 2 * s.root_params + 4 * s.block_params
+    per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
+    if compiled:
+        per_token_layer *= COMPILED_ACTIVATION_FACTOR
+    checkpointed = round(ac_ratio * s.layers)
+    activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
+    if checkpointed:
+        activations += tokens * per_token_layer  # the block being recomputed
+    rows = min(supervised, max(1, _LOGITS_PER_CHUNK // s.vocab))
+    loss = 2 * 4 * rows * s.vocab + (4 + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
+    # Two candidate peaks: the end of forward (every activation and the loss buffers alive, but no
+    # gradients yet: they are set to None after each step) and the end of backward (all sharded
+    # gradients alive, activations gone).
+    end_of_forward = 12 * s.params / shard_ranks + gathered + activations + loss
+    end_of_backward = 16 * s.params / shard_ranks + gathered + tokens * per_token_layer
+    return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
+
+
+def plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
+    s = Shapes.of(build_meta_model(cfg.model))
+    shard_ranks = gpus // cfg.fsdp.replicate_degree
+    seq = cfg.data.max_seq_len
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * gpus
+    lines = [f"{cfg.model.name_or_path}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {gpus} GPUs "
+             f"({shard_ranks}-way sharding), {seq} tokens per sequence, budget {gpu_mem_gib:.0f} GiB/GPU",
+             "", "| micro-batch | " + " | ".join(f"ac {r:g}" for r in (0, 0.25, 0.5, 0.75, 1)) + " |",
+             "|---" * 6 + "|"]
+    fits = []
+    for micro in (1, 2, 4, 8):
+        cells = []
+        for ratio in (0, 0.25, 0.5, 0.75, 1):
+            gib = peak_bytes(s, shard_ranks, micro * seq, micro * seq // 2, ratio, cfg.compile.enabled) / GIB
+            cells.append(f"{gib:.1f}" + ("" if gib <= gpu_mem_gib else " ✗"))
+            if gib <= gpu_mem_gib:
+                fits.append((ratio, -micro, micro))
+        lines.append(f"| {micro} | " + " | ".join(cells) + " |")
+    lines.append("")
+    current = peak_bytes(s, shard_ranks, cfg.train.micro_batch_size * seq, cfg.train.micro_batch_size * seq // 2,
+                         cfg.ac.ratio, cfg.compile.enabled) / GIB
+    lines.append(f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
+                 f"{current:.1f} GiB predicted" + (" — does NOT fit" if current > gpu_mem_gib else " — fits"))
+    if fits:
+        ratio, _, micro = min(fits)  # least recomputation first, then the largest micro-batch
+        accum = max(1, global_batch // (micro * gpus))
+        lines.append(f"suggested: ac.ratio={ratio:g} train.micro_batch_size={micro} "
+                     f"train.grad_accum_steps={accum} (global batch {micro * accum * gpus})")
+    else:
+        lines.append("nothing fits: use more GPUs, fsdp.cpu_offload=true, or a shorter data.max_seq_len")
+    return "\n".join(lines)
+
+
+def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float) -> str | None:
+    """A warning if the planner predicts this run exceeds the GPU's memory, else None."""
+    predicted = peak_bytes(Shapes.of(model), world_size // cfg.fsdp.replicate_degree,
+                           cfg.train.micro_batch_size * cfg.data.max_seq_len,
+                           cfg.train.micro_batch_size * cfg.data.max_seq_len // 2, cfg.ac.ratio,
+                           cfg.compile.enabled) / GIB
+    if predicted <= gpu_mem_gib:
+        return None
+    return (f"warning: the memory planner predicts {predicted:.0f} GiB per GPU for {gpu_mem_gib:.0f} GiB GPUs; "
+            f"see `python -m sft.plan --config <this config> --gpus {world_size} --gpu-mem {gpu_mem_gib:.0f}`")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--gpus", type=int, required=True, help="total number of GPUs")
+    parser.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU you allow the run to use")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    print(plan(load_config(args.config, args.overrides), args.gpus, args.gpu_mem))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""The memory planner against the peaks measured on the GPUs (docs/BENCHMARKS.md)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from sft.config import ModelConfig
+from sft.model import build_meta_model
+from sft.plan import GIB, Shapes, peak_bytes
+
+# P-7B on 4 x H200, 2 x 4096 tokens per GPU, commit 9e47709: (compile, ac.ratio) -> peak GiB.
+MEASURED_P7B = {(True, 0): 64.6, (True, 0.5): 48.4, (True, 1): 34.0,
+                (False, 0): 78.8, (False, 0.5): 55.5, (False, 1): 34.4}
+
+
+@pytest.fixture(scope="module")
+def qwen7b() -> Shapes:
+    return Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models/qwen2.5-7b"))))
+
+
+@pytest.mark.parametrize("compiled, ratio", MEASURED_P7B)
+def test_prediction_within_ten_percent_of_the_measured_peak(qwen7b, compiled, ratio):
+    predicted = peak_bytes(qwen7b, 4, 8192, 4096, ratio, compiled) / GIB
+    assert predicted == pytest.approx(MEASURED_P7B[compiled, ratio], rel=0.10)
+
+
+def test_more_checkpointing_and_more_gpus_need_less_memory(qwen7b):
+    by_ratio = [peak_bytes(qwen7b, 8, 8192, 4096, r, True) for r in (0, 0.25, 0.5, 0.75, 1)]
+    assert by_ratio == sorted(by_ratio, reverse=True)
+    assert peak_bytes(qwen7b, 64, 8192, 4096, 1, True) < peak_bytes(qwen7b, 8, 8192, 4096, 1, True)
+
+
+def test_cli_suggests_a_setting_that_fits():
+    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "64",
+                           "--gpu-mem", "80", "model.name_or_path=configs/models/qwen2.5-72b"],
+                          cwd=REPO, capture_output=True, text=True, check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    out = proc.stdout
+    assert "72.71B parameters, 80 blocks, 64 GPUs" in out
+    assert "this config (micro-batch 2, ac.ratio 1):" in out and "— fits" in out
+    assert "suggested: ac.ratio=" in out and "(global batch 128)" in out
