@@ -36,7 +36,7 @@ from sft.model import (ModelError, build_meta_model, decoder_blocks, initial_wei
                        materialize, real_buffers)
 from sft.optim import build_optimizer, build_scheduler
 from sft.parallel import build_mesh, parallelize
-from sft.plan import GIB, check_fits
+from sft.plan import GIB, apply_auto_plan, check_fits
 from sft.preemption import StopRequest
 
 
@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
 
+    gpu_mem_gib = cfg.plan.gpu_mem_gib or (torch.cuda.get_device_properties(env.device).total_memory / GIB
+                                           if env.device.type == "cuda" else None)
+    if cfg.plan.auto and gpu_mem_gib:  # before the run directory, so config.yaml records the choice
+        log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
     run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
     resume_from = prepare_run_dir(cfg, env)
 
@@ -72,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
     # shard by shard, so no rank ever holds the full weights.
     model = build_meta_model(cfg.model)
-    if env.device.type == "cuda":  # before anything is allocated: would this run fit?
-        warning = check_fits(model, cfg, env.world_size, torch.cuda.get_device_properties(env.device).total_memory / GIB)
+    if gpu_mem_gib:  # before anything is allocated: would this run fit?
+        warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
         if warning:
             log0(warning)
     buffers = real_buffers(model)

@@ -186,6 +186,15 @@ class LoggingConfig:
 
 
 @dataclass
+class PlanConfig:
+    auto: bool = False
+    """On GPUs, let the memory planner (python -m sft.plan) choose ac.ratio, train.micro_batch_size
+    and train.grad_accum_steps, keeping the global batch: the least recomputation that fits."""
+    gpu_mem_gib: float | None = None
+    """Memory per GPU to plan for (default: the GPU's total memory)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -196,6 +205,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property

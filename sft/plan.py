@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from sft.config import Config, load_config
+from sft.config import Config, ConfigError, load_config
 from sft.loss import _LOGITS_PER_CHUNK
 from sft.model import build_meta_model, decoder_blocks
 
@@ -72,32 +72,43 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
 
 
+RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float) -> float:
+    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences) and ratio."""
+    tokens = micro_batch * cfg.data.max_seq_len
+    return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled) / GIB
+
+
+def suggest(s: Shapes, cfg: Config, gpus: int, gpu_mem_gib: float) -> tuple[float, int, int] | None:
+    """(ac.ratio, micro_batch_size, grad_accum_steps) that fits and keeps the global batch: the least
+    recomputation first (it costs ~8% per 0.5 of ratio on 7B), then the largest micro-batch."""
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * gpus
+    fits = [(ratio, -micro) for micro in MICRO_BATCHES for ratio in RATIOS
+            if global_batch % (micro * gpus) == 0 and predict_gib(s, cfg, gpus, micro, ratio) <= gpu_mem_gib]
+    if not fits:
+        return None
+    ratio, micro = min(fits)
+    return ratio, -micro, global_batch // (-micro * gpus)
+
+
 def plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
     s = Shapes.of(build_meta_model(cfg.model))
-    shard_ranks = gpus // cfg.fsdp.replicate_degree
-    seq = cfg.data.max_seq_len
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * gpus
     lines = [f"{cfg.model.name_or_path}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {gpus} GPUs "
-             f"({shard_ranks}-way sharding), {seq} tokens per sequence, budget {gpu_mem_gib:.0f} GiB/GPU",
-             "", "| micro-batch | " + " | ".join(f"ac {r:g}" for r in (0, 0.25, 0.5, 0.75, 1)) + " |",
-             "|---" * 6 + "|"]
-    fits = []
-    for micro in (1, 2, 4, 8):
-        cells = []
-        for ratio in (0, 0.25, 0.5, 0.75, 1):
-            gib = peak_bytes(s, shard_ranks, micro * seq, micro * seq // 2, ratio, cfg.compile.enabled) / GIB
-            cells.append(f"{gib:.1f}" + ("" if gib <= gpu_mem_gib else " ✗"))
-            if gib <= gpu_mem_gib:
-                fits.append((ratio, -micro, micro))
-        lines.append(f"| {micro} | " + " | ".join(cells) + " |")
-    lines.append("")
-    current = peak_bytes(s, shard_ranks, cfg.train.micro_batch_size * seq, cfg.train.micro_batch_size * seq // 2,
-                         cfg.ac.ratio, cfg.compile.enabled) / GIB
-    lines.append(f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
-                 f"{current:.1f} GiB predicted" + (" — does NOT fit" if current > gpu_mem_gib else " — fits"))
-    if fits:
-        ratio, _, micro = min(fits)  # least recomputation first, then the largest micro-batch
-        accum = max(1, global_batch // (micro * gpus))
+             f"({gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
+             f"budget {gpu_mem_gib:.0f} GiB/GPU", "",
+             "| micro-batch | " + " | ".join(f"ac {r:g}" for r in RATIOS) + " |", "|---" * (len(RATIOS) + 1) + "|"]
+    for micro in MICRO_BATCHES:
+        cells = [predict_gib(s, cfg, gpus, micro, ratio) for ratio in RATIOS]
+        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + (" ✗" if g > gpu_mem_gib else "") for g in cells) + " |")
+    current = predict_gib(s, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio)
+    lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
+                  f"{current:.1f} GiB predicted" + (" — does NOT fit" if current > gpu_mem_gib else " — fits")]
+    choice = suggest(s, cfg, gpus, gpu_mem_gib)
+    if choice:
+        ratio, micro, accum = choice
         lines.append(f"suggested: ac.ratio={ratio:g} train.micro_batch_size={micro} "
                      f"train.grad_accum_steps={accum} (global batch {micro * accum * gpus})")
     else:
@@ -105,12 +116,22 @@ def plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
     return "\n".join(lines)
 
 
+def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; return a log line."""
+    shapes = Shapes.of(build_meta_model(cfg.model))
+    choice = suggest(shapes, cfg, gpus, gpu_mem_gib)
+    if choice is None:
+        raise ConfigError(f"plan.auto: nothing fits {gpu_mem_gib:.0f} GiB per GPU on {gpus} GPUs; use more GPUs, "
+                          "fsdp.cpu_offload=true or a shorter data.max_seq_len")
+    cfg.ac.ratio, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
+    return (f"plan.auto: ac.ratio={cfg.ac.ratio:g} train.micro_batch_size={cfg.train.micro_batch_size} "
+            f"train.grad_accum_steps={cfg.train.grad_accum_steps} "
+            f"(predicted {predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio):.1f} GiB per GPU)")
+
+
 def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float) -> str | None:
     """A warning if the planner predicts this run exceeds the GPU's memory, else None."""
-    predicted = peak_bytes(Shapes.of(model), world_size // cfg.fsdp.replicate_degree,
-                           cfg.train.micro_batch_size * cfg.data.max_seq_len,
-                           cfg.train.micro_batch_size * cfg.data.max_seq_len // 2, cfg.ac.ratio,
-                           cfg.compile.enabled) / GIB
+    predicted = predict_gib(Shapes.of(model), cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio)
     if predicted <= gpu_mem_gib:
         return None
     return (f"warning: the memory planner predicts {predicted:.0f} GiB per GPU for {gpu_mem_gib:.0f} GiB GPUs; "

@@ -40,3 +40,21 @@ def test_cli_suggests_a_setting_that_fits():
     assert "72.71B parameters, 80 blocks, 64 GPUs" in out
     assert "this config (micro-batch 2, ac.ratio 1):" in out and "— fits" in out
     assert "suggested: ac.ratio=" in out and "(global batch 128)" in out
+
+
+def test_auto_plan_keeps_the_global_batch_and_fits(tmp_path):
+    from sft.config import load_config
+    from sft.plan import apply_auto_plan, predict_gib
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    cfg = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b"])
+    line = apply_auto_plan(cfg, gpus=64, gpu_mem_gib=60)
+    assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 64 == 128
+    shapes = Shapes.of(build_meta_model(cfg.model))
+    assert predict_gib(shapes, cfg, 64, cfg.train.micro_batch_size, cfg.ac.ratio) <= 60
+    assert line.startswith(f"plan.auto: ac.ratio={cfg.ac.ratio:g}")
+    # A tighter budget needs more recomputation.
+    tight = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b"])
+    apply_auto_plan(tight, gpus=64, gpu_mem_gib=40)
+    assert tight.ac.ratio > cfg.ac.ratio or tight.train.micro_batch_size < cfg.train.micro_batch_size
