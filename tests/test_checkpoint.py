@@ -1,6 +1,5 @@
 """Checkpoints: exact resume, resharding, crash safety, preemption, Hugging Face export."""
 
-import json
 import os
 import shutil
 import signal
@@ -170,5 +169,5 @@ def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
     assert f"loaded the prepared-model cache {cache}" in second.stdout
     initial = [[m["eval_loss"] for m in read_metrics(tmp_path / run) if "eval_loss" in m][0] for run in ("first", "second")]
     assert initial[1] == pytest.approx(initial[0], rel=1e-6)
-    fresh = run_torchrun(demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7"), 1)
+    run_torchrun(demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7"), 1)
     assert [m["eval_loss"] for m in read_metrics(tmp_path / "fresh") if "eval_loss" in m][0] != initial[0]

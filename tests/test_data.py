@@ -120,7 +120,5 @@ def test_sampler_partitions_each_global_batch():
             per_rank = [sum(s.micro_batches(step), []) for s in samplers]
             flat = sum(per_rank, [])
             assert len(flat) == len(set(flat)) == 8
-            if world == 1:
-                reference = flat
             assert sorted(flat) == sorted(StepSampler(n, 8, 1, 0, 1, seed=3).micro_batches(step)[0])
     assert StepSampler(n, 8, 1, 0, 1, 3).micro_batches(0) != StepSampler(n, 8, 1, 0, 1, 3).micro_batches(12)
