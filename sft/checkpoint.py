@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -182,14 +183,29 @@ def prepare_run_dir(cfg: Config, env: DistEnv) -> Path | None:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
-    dist.barrier()
-    return find_checkpoint(run_dir / "checkpoints", cfg.checkpoint.resume)
+    return _decided_on_rank0(lambda: find_checkpoint(run_dir / "checkpoints", cfg.checkpoint.resume))
+
+
+def _decided_on_rank0(decide: Callable[[], object]) -> object:
+    """Run `decide` on rank 0 only and hand its result (or its CheckpointError) to every rank:
+    one rank reads the shared filesystem instead of all of them, and all ranks agree."""
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", decide())
+        except CheckpointError as e:
+            outcome[0] = ("error", str(e))
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
 
 
 def load_prepared_model(path: Path, model: nn.Module) -> bool:
     """Fill `model` from a prepared-model cache (a DCP copy of the loaded, cast, sharded initial
     weights) if `path` holds a complete one; return whether it did."""
-    if checkpoint_problem(path, required=()) is not None:
+    if _decided_on_rank0(lambda: checkpoint_problem(path, required=())) is not None:
         return False
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=path)

@@ -152,10 +152,11 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     if dist.is_initialized() and dist.get_rank() == 0:
         dist.barrier()
 
-    reasons = Counter(tokenized["drop_reason"])
+    drop_reasons = tokenized["drop_reason"]  # read the column once
+    reasons = Counter(drop_reasons)
     kept = reasons.pop("", 0)
     for reason, count in reasons.most_common():
-        first = tokenized["drop_reason"].index(reason)
+        first = drop_reasons.index(reason)
         log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: row {first})")
     if kept == 0:
         raise DataError(f"{source}: every {split_name} sample was dropped "

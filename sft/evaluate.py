@@ -32,5 +32,5 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
         tokens += count_supervised(batch)
         ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in batch.items()}).double()
     model.train()
-    total = all_reduce_sum(torch.stack([ce_sum.cpu(), torch.tensor(float(tokens), dtype=torch.float64)]), env.device)
-    return (total[0] / total[1]).item()
+    total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
+    return total_ce / total_tokens

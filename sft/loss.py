@@ -24,13 +24,13 @@ from sft.distributed import all_reduce_sum
 from sft.masking import IGNORE_INDEX
 
 # Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
-_LOGITS_PER_CHUNK = 2**28
+LOGITS_PER_CHUNK = 2**28
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                            with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and optionally its gradients."""
-    chunk = max(1, _LOGITS_PER_CHUNK // weight.shape[0])
+    chunk = max(1, LOGITS_PER_CHUNK // weight.shape[0])
     acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in >= fp32
     total = torch.zeros((), dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None

@@ -28,14 +28,18 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
 
+_IMPORTED_AT = time.time()
+
+
 def seconds_since_process_start() -> float:
-    """Wall time since this process was exec'd (Linux /proc), so imports are counted too."""
+    """Wall time since this process was exec'd (Linux /proc), so imports are counted too;
+    elsewhere since this module was imported."""
     try:
         start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
         uptime = float(open("/proc/uptime").read().split()[0])
         return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return time.process_time()
+        return time.time() - _IMPORTED_AT
 
 
 def host_peak_rss_gib() -> float:

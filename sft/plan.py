@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from sft.config import Config, ConfigError, load_config
-from sft.loss import _LOGITS_PER_CHUNK
+from sft.loss import LOGITS_PER_CHUNK
 from sft.model import build_meta_model, decoder_blocks
 
 GIB = 2**30
@@ -62,7 +62,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
         activations += tokens * per_token_layer  # the block being recomputed
-    rows = min(supervised, max(1, _LOGITS_PER_CHUNK // s.vocab))
+    rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     loss = 2 * 4 * rows * s.vocab + (4 + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
     # Two candidate peaks: the end of forward (every activation and the loss buffers alive, but no
     # gradients yet: they are set to None after each step) and the end of backward (all sharded

@@ -13,7 +13,7 @@ from sft.masking import IGNORE_INDEX
 @pytest.mark.parametrize("rows_per_chunk", [1, 7, 1000])
 def test_linear_cross_entropy_matches_autograd(monkeypatch, rows_per_chunk):
     vocab, hidden, rows = 97, 16, 23
-    monkeypatch.setattr(sft.loss, "_LOGITS_PER_CHUNK", rows_per_chunk * vocab)
+    monkeypatch.setattr(sft.loss, "LOGITS_PER_CHUNK", rows_per_chunk * vocab)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(rows, hidden, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64, requires_grad=True)
