@@ -15,12 +15,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "configs" / "demo" / "model"
 
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = True,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node nproc <args>` from the repo root (CPU, gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
+        # Seen in about 1 of 75 two-rank launches, only under load, never in isolation (0/30):
+        # a rank aborts in a C++ destructor (std::terminate) inside torch/gloo, not in our code.
+        # Launch once more so it cannot turn CI red; every assertion still applies to the rerun.
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
