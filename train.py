@@ -38,6 +38,7 @@ from sft.optim import build_optimizer, build_scheduler
 from sft.parallel import build_mesh, parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
 from sft.preemption import StopRequest
+from sft.profiling import StepProfiler
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,10 +142,12 @@ def main(argv: list[str] | None = None) -> None:
         return path
 
     first_eval = last_eval = run_eval(start_step)
+    profiler = StepProfiler(cfg.logging.profile_steps, run_dir / "profile", enabled=env.is_main)
     step_times: list[float] = []
     text_config = model.config.get_text_config()
     for step in range(start_step + 1, total_steps + 1):
         t0 = time.perf_counter()
+        profiler.step_begins(step)
         micro_batches, token_counts = zip(*(train_batch(i) for i in sampler.micro_batches(step - 1)))
         ce_sum, supervised = forward_backward(model, micro_batches, env.device, cfg.fsdp.sync_grads_each_microbatch)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm or float("inf"))
@@ -155,13 +158,17 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
         flops = sum(n * flops_per_token(num_params, text_config.num_hidden_layers, text_config.hidden_size,
                                         b["input_ids"].shape[1]) for n, b in zip(token_counts, micro_batches))
-        # One all-reduce for the metrics and the stop flag: every rank learns of a SIGTERM at the same step.
-        ce_total, tokens, flops, stops = all_reduce_sum(
-            [ce_sum.item(), sum(token_counts), flops, float(stop.requested)], env.device).tolist()
+        # One all-reduce for the metrics and the stop flag (every rank learns of a SIGTERM at the
+        # same step), and the step's only wait for the GPU: reading the results.
+        host_values = torch.tensor([sum(token_counts), flops, float(stop.requested)], dtype=torch.float64)
+        totals = all_reduce_sum(torch.cat([ce_sum.double().view(1), host_values.to(env.device)]), env.device)
+        ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
+            [totals, supervised.view(1), grad_norm.double().view(1)]).tolist()
         step_time = time.perf_counter() - t0
+        profile_summary = profiler.step_ends(step)
         step_times.append(step_time)
         tokens_seen += int(tokens)
-        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm.item(), "lr": lr,
+        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm, "lr": lr,
                  "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": tokens_seen,
                  "step_time": step_time, "eta_s": (total_steps - step) * statistics.median(step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / step_time / env.world_size,
@@ -172,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         if step == 1:
             entry.update(startup_s=startup_s, host_peak_rss_gib_per_rank=rss)
         logger.log(entry)
+        if profile_summary:
+            logger.message(f"profile of steps {cfg.logging.profile_steps} in {run_dir / 'profile'}:\n{profile_summary}")
         if stops:
             save(step)
             logger.close()

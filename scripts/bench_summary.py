@@ -2,7 +2,8 @@
 
     python scripts/bench_summary.py runs/bench/*/ [--warmup 5]
 
-Steady state = median over the steps after the first `--warmup` (compilation, allocator warm-up).
+Steady state = median over the steps after the first `--warmup` (compilation, allocator warm-up),
+leaving out the steps traced by the profiler (logging.profile_steps in the run's config.yaml).
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import json
 import statistics
 from pathlib import Path
 
+import yaml
+
 
 def summarise(run_dir: Path, warmup: int) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r]
-    steady = steps[warmup:] or steps
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    first, last = (config.get("logging") or {}).get("profile_steps") or (0, -1)
+    steady = [r for r in steps[warmup:] if not first <= r["step"] <= last] or steps
     median_time = statistics.median(r["step_time"] for r in steady)
     out = {"run": run_dir.name, "steps": len(steps), "s/step": median_time,
            "tok/s/gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in steady),

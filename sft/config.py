@@ -183,6 +183,10 @@ class LoggingConfig:
     """Also write scalars to <run>/tb for TensorBoard (pip install tensorboard)."""
     wandb_project: str | None = None
     """Also log to this Weights & Biases project (pip install wandb)."""
+    profile_steps: tuple[int, int] | None = None
+    """[first, last]: trace these optimizer steps on rank 0 with torch.profiler into <run>/profile
+    (a Perfetto/chrome://tracing trace and summary.txt: GPU time by kernel class, idle and
+    exposed-communication time). Skip the first steps: they compile."""
 
 
 @dataclass
@@ -262,6 +266,8 @@ def _range_checks(cfg: Config) -> list[str]:
         check(not enabled or importlib.util.find_spec(package) is not None, key, enabled,
               f"needs the {package} package: pip install {package} (or turn it off)")
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
+    check(cfg.logging.profile_steps is None or 1 <= cfg.logging.profile_steps[0] <= cfg.logging.profile_steps[1],
+          "logging.profile_steps", cfg.logging.profile_steps, "must be [first, last] with 1 <= first <= last")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and _looks_like_local_file(value):
             check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")

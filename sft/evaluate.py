@@ -8,7 +8,7 @@ from torch import nn
 
 from sft.data import MicroBatches
 from sft.distributed import DistEnv, all_reduce_sum
-from sft.loss import count_supervised
+from sft.loss import loss_inputs
 from sft.masking import IGNORE_INDEX
 
 
@@ -29,8 +29,9 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
         batch, _ = batches(indices or [0])
         if not indices:
             batch["labels"].fill_(IGNORE_INDEX)
-        tokens += count_supervised(batch)
-        ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in batch.items()}).double()
+        inputs = loss_inputs(batch)
+        tokens += len(inputs["target_ids"])
+        ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
     model.train()
     total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
     return total_ce / total_tokens

@@ -65,20 +65,31 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), None
 
 
-def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor,
-              position_ids: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over supervised tokens (labels unshifted, HF convention)."""
+def loss_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
+    predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token.
+
+    Selecting them with a boolean mask on the GPU would make the host wait for the forward pass
+    every micro-batch (the result's size depends on the data); on the host it costs nothing.
+    """
+    targets = batch["labels"][:, 1:]  # hidden state t predicts label t + 1 (labels unshifted)
+    sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+            "target_rows": sample * batch["labels"].shape[1] + position, "target_ids": targets[sample, position]}
+
+
+def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
+              target_ids: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
     hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-    targets = labels[:, 1:]
-    supervised = targets != IGNORE_INDEX
-    args = (hidden[:, :-1][supervised], self.get_output_embeddings().weight, targets[supervised])
+    args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
     if torch.is_grad_enabled():
         return LinearCrossEntropy.apply(*args)
     return _chunked_cross_entropy(*args, with_grads=False)[0]
 
 
 def attach_sft_loss(model: PreTrainedModel) -> None:
-    """Give the (FSDP-sharded) model an `sft_loss(input_ids, labels, position_ids)` method.
+    """Give the (FSDP-sharded) model an `sft_loss(**loss_inputs(batch))` method.
 
     Registered as an FSDP forward method so the root unit's parameters (embeddings, final norm,
     lm_head) are gathered around it exactly as around `forward`.
@@ -93,20 +104,18 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
     register_fsdp_forward_method(model, "sft_loss")
 
 
-def count_supervised(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-
-
 def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
-                     sync_each_microbatch: bool = True) -> tuple[torch.Tensor, float]:
-    """Accumulate one optimizer step's gradients; return (this rank's CE sum, global token count)."""
+                     sync_each_microbatch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
+    token count), both still on the device: nothing here makes the host wait for the GPU."""
+    inputs = [loss_inputs(b) for b in micro_batches]
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens.
-    num_tokens = all_reduce_sum([sum(count_supervised(b) for b in micro_batches)], device)[0].item()
+    num_tokens = all_reduce_sum([sum(len(x["target_ids"]) for x in inputs)], device)[0]
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
-    for i, batch in enumerate(micro_batches):
+    for i, batch in enumerate(inputs):
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            model.set_requires_gradient_sync(i == len(inputs) - 1)
         loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
         (loss / num_tokens).backward()
         ce_sum += loss.detach()

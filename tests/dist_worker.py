@@ -105,7 +105,7 @@ def main() -> None:
         micro = per_rank // args.grad_accum
         batches = [collate(mine[i : i + micro], 0, 4096) for i in range(0, per_rank, micro)]
         ce_sum, num_tokens = forward_backward(model, batches, env.device)
-        result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens
+        result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
         named = dict(model.named_parameters())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))

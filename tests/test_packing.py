@@ -9,7 +9,7 @@ from helpers import DEMO_MODEL, synthetic_global_batch
 from sft.collate import collate, collate_packed
 from sft.config import ModelConfig
 from sft.data import pack_best_fit
-from sft.loss import attach_sft_loss
+from sft.loss import attach_sft_loss, loss_inputs
 from sft.model import build_meta_model, initial_weights, load_weights, materialize, real_buffers
 
 
@@ -46,7 +46,8 @@ def test_packed_loss_equals_padded_loss(model):
     count = lambda batch: int((batch["labels"][:, 1:] != -100).sum())
     assert count(packed) == count(padded)  # no label predicts across a document boundary
     with torch.no_grad():
-        assert model.sft_loss(**packed).item() == pytest.approx(model.sft_loss(**padded).item(), rel=1e-5)
+        assert model.sft_loss(**loss_inputs(packed)).item() == pytest.approx(
+            model.sft_loss(**loss_inputs(padded)).item(), rel=1e-5)
 
 
 def test_best_fit_decreasing_places_every_sample_once():

@@ -13,12 +13,13 @@ STEP_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "supervised_tokens", "
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, demo_data):
-    """A short 2-rank demo run with TensorBoard and an HF export."""
+    """A short 2-rank demo run with TensorBoard, a profile of steps 4-5 and an HF export."""
     out = tmp_path_factory.mktemp("ux")
     proc = run_torchrun(["train.py", "--config", "configs/demo.yaml", f"data.path={demo_data / 'train.jsonl'}",
                          f"data.eval_path={demo_data / 'eval.jsonl'}", f"train.output_dir={out}",
                          "train.run_name=ux", f"data.cache_dir={out / 'cache'}", "train.max_steps=6",
-                         "eval.every_steps=3", "logging.every_steps=2", "logging.tensorboard=true"], nproc=2)
+                         "eval.every_steps=3", "logging.every_steps=2", "logging.tensorboard=true",
+                         "logging.profile_steps=[4,5]"], nproc=2)
     return out / "ux", proc
 
 
@@ -80,3 +81,12 @@ def test_progress_bar_on_request(tmp_path, demo_data):
                          "logging.progress=bar", "checkpoint.enabled=false", "checkpoint.export_hf=false"], nproc=1)
     assert "3/3" in proc.stderr and "step/s" in proc.stderr
     assert "| loss" not in proc.stdout  # the bar replaces the per-step lines
+
+
+def test_profiled_steps_leave_a_trace_and_a_summary(run):
+    run_dir, proc = run
+    summary = (run_dir / "profile" / "summary.txt").read_text()
+    assert summary.startswith("trace trace-rank0.json.gz: 2 profiled steps,")
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == ["summary.txt", "trace-rank0.json.gz"]
+    assert "profile of steps (4, 5)" in proc.stdout
+    assert [e["step"] for e in read_metrics(run_dir) if "loss" in e] == [1, 2, 3, 4, 5, 6]  # no step lost

@@ -1,0 +1,153 @@
+"""Where does a step's time go? A torch.profiler trace of chosen steps, and its summary.
+
+    logging.profile_steps: [6, 7]         # in the config: trace optimizer steps 6..7 on rank 0
+    python -m sft.profiling runs/x/profile/trace-rank0.json.gz    # summarise any Kineto trace
+
+The summary splits the GPU timeline of the traced steps into kernel classes (matrix products,
+attention, NCCL collectives, compiled elementwise, optimizer, ...) and measures what a list of
+kernel times cannot show: how long the compute stream sat idle, and how much collective time
+was not hidden behind computation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import torch
+
+STEP_SPAN = "sft_step#"  # the CPU span around each traced optimizer step
+
+# First matching pattern wins; matched against the lower-cased kernel name.
+KERNEL_CLASSES = (
+    ("nccl", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "wgmma")),
+    ("optimizer", ("adam",)),
+    ("compiled (triton)", ("triton",)),
+    ("copies, casts, foreach", ("copy", "cat", "foreach", "elementwise", "vectorized", "reduce", "fill")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for label, patterns in KERNEL_CLASSES:
+        if any(p in lowered for p in patterns):
+            return label
+    return "other"
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of (union of a) ∩ (union of b)."""
+    return _union_length(a) + _union_length(b) - _union_length(a + b)
+
+
+def summarize_trace(path: Path, top: int = 15) -> str:
+    """A plain-text breakdown of the GPU kernels in a Chrome/Kineto trace (times per traced step)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    # The CPU spans (the GPU timeline repeats them as gpu_user_annotation).
+    steps = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_SPAN)]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    num_steps = max(1, len(steps))
+    if steps:
+        wall = sum(e["dur"] for e in steps) / num_steps
+    elif kernels:
+        wall = (max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)) / num_steps
+    else:
+        wall = 0.0
+    lines = [f"trace {path.name}: {len(steps)} profiled steps, {wall / 1e3:.1f} ms per step (wall)"]
+    if not kernels:
+        return "\n".join(lines + ["no GPU kernels in the trace (CPU run)"])
+
+    per_class: dict[str, float] = {}
+    per_kernel: dict[str, list[float]] = {}
+    comm, compute = [], []
+    for k in kernels:
+        label = kernel_class(k["name"])
+        per_class[label] = per_class.get(label, 0.0) + k["dur"]
+        per_kernel.setdefault(k["name"], []).append(k["dur"])
+        (comm if label == "nccl" else compute).append((k["ts"], k["ts"] + k["dur"]))
+    compute_busy, comm_busy = _union_length(compute), _union_length(comm)
+    comm_hidden = _overlap_length(compute, comm)
+    lines += [
+        f"compute kernels busy {compute_busy / num_steps / 1e3:8.1f} ms/step ({compute_busy / num_steps / wall:6.1%}"
+        " of wall)",
+        f"collectives busy     {comm_busy / num_steps / 1e3:8.1f} ms/step, of which under compute "
+        f"{comm_hidden / num_steps / 1e3:.1f} ms; exposed {(comm_busy - comm_hidden) / num_steps / 1e3:.1f} ms",
+        f"GPU idle (no kernel) {(wall - _union_length(compute + comm) / num_steps) / 1e3:8.1f} ms/step",
+        "",
+        "kernel time per step by class (sums; classes may overlap in time):",
+    ]
+    for label, total in sorted(per_class.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {label:24s} {total / num_steps / 1e3:8.1f} ms  {total / num_steps / wall:6.1%}")
+    lines += ["", f"top {top} kernels by total time per step:"]
+    for name, durations in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(durations) / num_steps / 1e3:8.2f} ms  {len(durations) / num_steps:6.0f}x  "
+                     f"[{kernel_class(name)}] {name[:110]}")
+    return "\n".join(lines)
+
+
+class StepProfiler:
+    """Records optimizer steps first..last (inclusive, 1-based) on rank 0 with torch.profiler, then
+    writes <out_dir>/trace-rank0.json.gz (chrome://tracing, Perfetto) and summary.txt."""
+
+    def __init__(self, steps: tuple[int, int] | None, out_dir: Path, enabled: bool):
+        self.first, self.last = steps if steps and enabled else (0, -1)
+        self.out_dir = out_dir
+        self.profiler: torch.profiler.profile | None = None
+        self.span: torch.profiler.record_function | None = None
+
+    def step_begins(self, step: int) -> None:
+        if step == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+        if self.profiler is not None:
+            self.span = torch.profiler.record_function(f"{STEP_SPAN}{step}")
+            self.span.__enter__()
+
+    def step_ends(self, step: int) -> str | None:
+        """Close the step; after the last traced step, write the trace and return the summary."""
+        if self.profiler is None:
+            return None
+        self.span.__exit__(None, None, None)
+        if step < self.last:
+            return None
+        self.profiler.stop()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / "trace-rank0.json"
+        self.profiler.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(trace.with_suffix(".json.gz"), "wb") as dst:
+            dst.writelines(src)
+        trace.unlink()
+        summary = summarize_trace(trace.with_suffix(".json.gz"))
+        (self.out_dir / "summary.txt").write_text(summary + "\n")
+        self.profiler = None
+        return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path, help="a Chrome/Kineto trace (.json or .json.gz)")
+    parser.add_argument("--top", type=int, default=15, help="how many kernels to list")
+    args = parser.parse_args()
+    print(summarize_trace(args.trace, args.top))
+
+
+if __name__ == "__main__":
+    main()

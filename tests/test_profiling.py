@@ -1,0 +1,40 @@
+"""The profile summary's timeline arithmetic, on a hand-made GPU trace with known answers."""
+
+import gzip
+import json
+
+import pytest
+
+from sft.profiling import kernel_class, summarize_trace
+
+
+def kernel(name: str, start: float, dur: float, stream: int) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": dur, "args": {"stream": stream}}
+
+
+def test_summary_measures_idle_and_exposed_communication(tmp_path):
+    # One 1000 us step: a GEMM 0-400, attention 400-500, an NCCL all-gather 300-700 on another
+    # stream (100 us of it under the GEMM, 100 under attention, 200 exposed), idle 700-1000.
+    events = [{"ph": "X", "cat": "user_annotation", "name": "sft_step#9", "ts": 0, "dur": 1000},
+              kernel("sm90_xmma_gemm_bf16bf16", 0, 400, 7), kernel("flash_fwd_kernel", 400, 100, 7),
+              kernel("ncclDevKernel_AllGather_RING_LL", 300, 400, 20)]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    lines = summarize_trace(path).splitlines()
+    assert lines[0] == "trace trace.json.gz: 1 profiled steps, 1.0 ms per step (wall)"
+    assert lines[1].split() [:5] == ["compute", "kernels", "busy", "0.5", "ms/step"]
+    assert "collectives busy          0.4 ms/step, of which under compute 0.2 ms; exposed 0.2 ms" in lines[2]
+    assert lines[3].split()[-2:] == ["0.3", "ms/step"]  # GPU idle
+
+
+@pytest.mark.parametrize("name, label", [
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "nccl"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", "compiled (triton)"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer"),
+])
+def test_kernel_classes(name, label):
+    assert kernel_class(name) == label
