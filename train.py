@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         state = {"step": step, "tokens_seen": tokens_seen, "global_batch": sampler.global_batch,
                  "world_size": env.world_size}
         t0 = time.perf_counter()
-        path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg),
+        path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg), tokenizer,
                                cfg.checkpoint.keep_last, env)
         logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s")
         return path

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -43,7 +44,7 @@ from sft.distributed import DistEnv, log0
 # The exit status of a run that stopped on SIGTERM/SIGUSR1 after committing a checkpoint:
 # EX_TEMPFAIL, "try again later". slurm/train.slurm turns it into a requeue.
 REQUEUE_EXIT_CODE = 75
-_FILES = ("train_state.json", "scheduler.pt", "config.yaml")
+_FILES = ("train_state.json", "scheduler.pt", "config.yaml", "hf/config.json")
 
 
 class CheckpointError(ValueError):
@@ -71,10 +72,14 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(root: Path, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, config_yaml: str,
-                    keep_last: int, env: DistEnv) -> Path:
-    """Write and commit checkpoints/step-<step>; return its path. Collective: all ranks call it."""
+                    tokenizer: PreTrainedTokenizerBase, keep_last: int, env: DistEnv) -> Path:
+    """Write and commit checkpoints/step-<step>; return its path. Collective: all ranks call it.
+
+    Besides the sharded state, hf/ holds the model's config.json and the tokenizer, so the
+    checkpoint exports (sft/export.py) without the original model directory.
+    """
     final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -87,6 +92,8 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, optimizer: torch.op
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2))
+        model.config.save_pretrained(tmp / "hf")
+        tokenizer.save_pretrained(tmp / "hf")
     dist.barrier()  # every rank's shards are on disk before the checkpoint is committed
     if env.is_main:
         shutil.rmtree(final, ignore_errors=True)

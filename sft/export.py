@@ -43,8 +43,10 @@ def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype
 
 def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`."""
-    # Only the model section matters here (the data files need not exist on this machine).
-    model_cfg = ModelConfig(**yaml.safe_load((checkpoint / "config.yaml").read_text())["model"])
+    # The checkpoint carries the model's config.json and tokenizer (hf/): the original model
+    # directory or hub cache need not exist any more.
+    trust_remote_code = yaml.safe_load((checkpoint / "config.yaml").read_text())["model"]["trust_remote_code"]
+    model_cfg = ModelConfig(name_or_path=str(checkpoint / "hf"), trust_remote_code=trust_remote_code)
     model = build_meta_model(model_cfg)
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}

@@ -131,23 +131,31 @@ def test_sigterm_without_torchrun_exits_with_the_requeue_code(tmp_path, demo_dat
 
 def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data):
     """The exported model, loaded by from_pretrained, gives the same held-out loss (HF's own loss
-    on the eval set) as the FSDP model's last eval; the tied embedding stays tied."""
+    on the eval set) as the FSDP model's last eval; the tied embedding stays tied. A checkpoint
+    exports again after the original model directory is gone, to the same bytes."""
     from transformers import AutoModelForCausalLM
 
     from sft.collate import collate
-    from sft.config import load_config
+    from sft.config import ModelConfig, load_config
     from sft.data import load_sft_data
     from sft.model import load_tokenizer
 
+    model_dir = shutil.copytree(REPO / "configs" / "demo" / "model", tmp_path / "model")
     args = demo(demo_data, tmp_path, "exported", "train.max_steps=5", "checkpoint.export_hf=true",
-                "checkpoint.export_dtype=float32")
+                "checkpoint.export_dtype=float32", f"model.name_or_path={model_dir}")
     run_torchrun(args, nproc=2)
     final_eval = [m["eval_loss"] for m in read_metrics(tmp_path / "exported") if "eval_loss" in m][-1]
+    shutil.rmtree(model_dir)
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "exported" / "checkpoints" / "step-5"),
+                    str(again), "--dtype", "float32"], cwd=REPO, check=True, capture_output=True)
+    shard = "model-00001-of-00001.safetensors"
+    assert (again / shard).read_bytes() == (tmp_path / "exported" / "export" / shard).read_bytes()
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "exported" / "export")
+    model = AutoModelForCausalLM.from_pretrained(again)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     cfg = load_config(REPO / "configs" / "demo.yaml", args[3:])
-    _, evals = load_sft_data(cfg.data, load_tokenizer(cfg.model), seed=0)
+    _, evals = load_sft_data(cfg.data, load_tokenizer(ModelConfig(name_or_path=str(again))), seed=0)
     ce, count = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(evals), 8):
