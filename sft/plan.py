@@ -52,9 +52,13 @@ class Shapes:
                    text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim, text.vocab_size)
 
 
-def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool) -> float:
+def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
+               reshard_after_forward: bool = True, grad_accum: int = 1) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch."""
-    gathered = 2 * 2 * s.block_params + 2 * s.root_params + 4 * s.block_params
+    # bf16 blocks gathered at once: the current and the prefetched one, or with
+    # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
+    gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
+    gathered = 2 * gathered_blocks + 2 * s.root_params
     per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if compiled:
         per_token_layer *= COMPILED_ACTIVATION_FACTOR
@@ -64,11 +68,12 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         activations += tokens * per_token_layer  # the block being recomputed
     rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     loss = 2 * 4 * rows * s.vocab + (4 + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
-    # Two candidate peaks: the end of forward (every activation and the loss buffers alive, but no
-    # gradients yet: they are set to None after each step) and the end of backward (all sharded
-    # gradients alive, activations gone).
-    end_of_forward = 12 * s.params / shard_ranks + gathered + activations + loss
-    end_of_backward = 16 * s.params / shard_ranks + gathered + tokens * per_token_layer
+    # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
+    # sharded gradients only from the second micro-batch of a step on: they are set to None after
+    # each step) and the end of backward (all sharded gradients alive, one block's unsharded float32
+    # gradients being reduced, activations gone).
+    end_of_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks + gathered + activations + loss
+    end_of_backward = 16 * s.params / shard_ranks + gathered + 4 * s.block_params + tokens * per_token_layer
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
 
 
@@ -77,9 +82,12 @@ MICRO_BATCHES = (1, 2, 4, 8)
 
 
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float) -> float:
-    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences) and ratio."""
+    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences) and
+    ratio, with the grad-acc that keeps the config's global batch."""
     tokens = micro_batch * cfg.data.max_seq_len
-    return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled) / GIB
+    grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
+    return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
+                      cfg.fsdp.reshard_after_forward, grad_accum) / GIB
 
 
 def suggest(s: Shapes, cfg: Config, gpus: int, gpu_mem_gib: float) -> tuple[float, int, int] | None:
