@@ -5,8 +5,13 @@
 #   ckpt7b    save a random Qwen2.5-7B-shaped HF checkpoint to $CKPT7B (bf16 safetensors)
 #   fsdp      P-7B through the real loading path: ac.ratio 0 / 0.5 / 1, compile on and off
 #   ckpt      7B checkpoint save / resume / HF export times
-#   knobs     P-7B: bf16 reduce, ZeRO-2, deferred gradient sync with grad-acc 4
 #   packing   V-7B: padded vs packed (flex attention)
+#   attention causal attention fwd+bwd per SDPA backend at P-7B shapes
+#   perf      P-7B (random init): defaults (with a profile of steps 9-10), ZeRO-2, bf16 reduce, NCCL CTAs,
+#             grad-acc 4 with and without deferred gradient sync; ONLY=regex runs the matching variants
+#   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
+#   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
+#   ckpt14b   14B checkpoint save / resume / HF export times
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -26,7 +31,10 @@ train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES 
   local t0=$SECONDS
   timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" train.py --config "$config" \
     train.run_name="$name" "$@" >"$LOGS/$name.log" 2>&1
-  echo "$name: exit $? in $((SECONDS - t0)) s"; cp -f runs/bench/"$name"/metrics.jsonl "$LOGS/$name.metrics.jsonl" 2>/dev/null; grep -E "start-up|RSS|^\[.*step (1|$STEPS)/|Error|error" "$LOGS/$name.log" | tail -4
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s"; cp -f runs/bench/"$name"/metrics.jsonl "$LOGS/$name.metrics.jsonl" 2>/dev/null
+  if [ $rc -ne 0 ]; then grep -v "^\s*$" "$LOGS/$name.log" | grep -iE "error|exception|memory" | head -3; tail -3 "$LOGS/$name.log"
+  else grep -E "start-up|^\[.*step (1|$STEPS)/" "$LOGS/$name.log" | tail -3; fi
 }
 
 for stage in "$@"; do
@@ -55,25 +63,74 @@ for stage in "$@"; do
       train p7b-ckpt-resumed "${P7B[@]}" train.run_name=p7b-ckpt train.max_steps=10
       grep -E "resumed|saved" "$LOGS/p7b-ckpt-resumed.log"
       du -sh runs/bench/p7b-ckpt/checkpoints/* runs/bench/p7b-ckpt/export; rm -rf runs/bench/p7b-ckpt/checkpoints ;;
-    knobs)  # one change at a time against the compile + ac 0 baseline
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
-      P7B=(configs/bench/p7b.yaml model.name_or_path="$CKPT7B" model.init=pretrained train.max_steps="$STEPS")
-      train p7b-base "${P7B[@]}"
-      train p7b-bf16-reduce "${P7B[@]}" fsdp.reduce_dtype=bfloat16
-      train p7b-zero2 "${P7B[@]}" fsdp.reshard_after_forward=false
-      train p7b-ga4-sync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8
-      train p7b-ga4-nosync "${P7B[@]}" train.grad_accum_steps=4 train.max_steps=8 fsdp.sync_grads_each_microbatch=false ;;
     packing)  # workload V-7B: padded to the longest vs packed rows with flex attention
       python3 scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4000 --lognormal 600 0.8
       train v7b-padded configs/bench/v7b.yaml train.max_steps="$STEPS"
       train v7b-packed configs/bench/v7b.yaml train.max_steps="$STEPS" data.packing=true train.micro_batch_size=2 \
         model.attn_implementation=flex_attention ;;
+    attention)
+      python3 scripts/bench_attention.py --batch 2 --seq 4096 --heads 28 --kv-heads 4 --head-dim 128 ;;
+    perf)  # P-7B, one change at a time against the defaults; the first run also traces steps 9-10
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+      P7B=(configs/bench/p7b.yaml train.max_steps="$STEPS")
+      while read -r name overrides; do
+        [[ "$name" =~ ${ONLY:-.} ]] || continue
+        case $overrides in NCCL_*) export "${overrides%% *}"; overrides=${overrides#* };; esac  # env, then keys
+        # shellcheck disable=SC2086
+        train "p7b-$name" "${P7B[@]}" $overrides </dev/null; unset NCCL_MAX_CTAS
+      done <<'RUNS'
+default     logging.profile_steps=[9,10]
+zero2       fsdp.reshard_after_forward=false
+bf16reduce  fsdp.reduce_dtype=bfloat16
+zero2-bf16  fsdp.reshard_after_forward=false fsdp.reduce_dtype=bfloat16
+ctas8       NCCL_MAX_CTAS=8 train.max_steps=12
+ga4-sync    train.grad_accum_steps=4 train.max_steps=8
+ga4-nosync  train.grad_accum_steps=4 train.max_steps=8 fsdp.sync_grads_each_microbatch=false
+RUNS
+      [ -f runs/bench/p7b-default/profile/summary.txt ] && cp runs/bench/p7b-default/profile/summary.txt "$LOGS/p7b-default.profile.txt" ;;
+    planner)  # peaks to compare with `python -m sft.plan` (docs/BENCHMARKS.md "Memory planner")
+      for len in 2048 4096; do
+        python3 scripts/synthetic_tokens.py --out data/bench/len$len.parquet --samples $((NGPU * 2 * STEPS)) --length $len
+      done
+      gpu=0; pids=()
+      for len in 2048 4096; do for ratio in 0 0.5 1; do  # 0.5B: one GPU each, up to NGPU at a time
+        CUDA_VISIBLE_DEVICES=$gpu NGPU=1 train "q05b-s$len-ac$ratio" configs/bench/p7b.yaml model.name_or_path=configs/models/qwen2.5-0.5b \
+          data.path=data/bench/len$len.parquet data.max_seq_len=$len ac.ratio=$ratio train.max_steps=8 &
+        pids+=($!); gpu=$(((gpu + 1) % NGPU)); [ $gpu -eq 0 ] && wait "${pids[@]}" && pids=()
+      done; done; wait
+      for ratio in 0 0.5 1; do
+        train "p7b-s2048-ac$ratio" configs/bench/p7b.yaml data.path=data/bench/len2048.parquet data.max_seq_len=2048 \
+          ac.ratio=$ratio train.max_steps=8
+      done ;;
+    s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+      t0=$SECONDS; python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random --device cuda
+      echo "saved the 14B checkpoint in $((SECONDS - t0)) s"; du -sh /tmp/qwen2.5-14b-random
+      train s14b configs/bench/p7b.yaml model.name_or_path=/tmp/qwen2.5-14b-random model.init=pretrained \
+        plan.auto=true train.grad_accum_steps=2 train.max_steps=8
+      grep -E "plan.auto|RSS|start-up" "$LOGS/s14b.log" ;;
+    ckpt14b)  # 14B: checkpoint save / resume / HF export times (~210 GB of disk at the peak)
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+      [ -d /tmp/qwen2.5-14b-random ] || python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random --device cuda
+      S14B=(configs/bench/p7b.yaml model.name_or_path=/tmp/qwen2.5-14b-random model.init=pretrained plan.auto=true
+            train.grad_accum_steps=2 train.overwrite=false)
+      train s14b-ckpt "${S14B[@]}" train.max_steps=3 checkpoint.enabled=true
+      grep -E "saved" "$LOGS/s14b-ckpt.log"; du -sh runs/bench/s14b-ckpt/checkpoints/step-*
+      rm -f runs/bench/s14b-ckpt/finished  # continue the same run: resume + 1 step, no second save
+      train s14b-ckpt-resumed "${S14B[@]}" train.run_name=s14b-ckpt train.max_steps=4 checkpoint.enabled=false
+      grep -E "resumed" "$LOGS/s14b-ckpt-resumed.log"
+      rm -rf /tmp/qwen2.5-14b-random  # room for the export
+      t0=$SECONDS; python3 -m sft.export runs/bench/s14b-ckpt/checkpoints/step-3 runs/bench/s14b-export
+      echo "exported in $((SECONDS - t0)) s"; du -sh runs/bench/s14b-export; rm -rf runs/bench/s14b-ckpt/checkpoints runs/bench/s14b-export ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
 if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/bench.tgz" runs/bench && cp runs/bench/summary.md "$OUT/" 2>/dev/null
+  tar czf "$OUT/bench.tgz" --exclude='*.json.gz' runs/bench && cp runs/bench/summary.md "$OUT/" 2>/dev/null
+  for trace in runs/bench/*/profile/trace-rank0.json.gz; do  # profiler traces travel separately if small
+    [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/$(basename "$(dirname "$(dirname "$trace")")").trace.json.gz"
+  done
 fi
 exit 0
