@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         return path
 
     first_eval = last_eval = run_eval(start_step)
-    profiler = StepProfiler(cfg.logging.profile_steps, run_dir / "profile", enabled=env.is_main)
+    profiler = StepProfiler(cfg.logging.profile_steps, total_steps, run_dir / "profile", enabled=env.is_main)
     step_times: list[float] = []
     text_config = model.config.get_text_config()
     for step in range(start_step + 1, total_steps + 1):

@@ -101,11 +101,12 @@ def summarize_trace(path: Path, top: int = 15) -> str:
 
 
 class StepProfiler:
-    """Records optimizer steps first..last (inclusive, 1-based) on rank 0 with torch.profiler, then
-    writes <out_dir>/trace-rank0.json.gz (chrome://tracing, Perfetto) and summary.txt."""
+    """Records optimizer steps first..last (inclusive, 1-based; cut at the run's final step) on
+    rank 0 with torch.profiler, then writes <out_dir>/trace-rank0.json.gz (chrome://tracing,
+    Perfetto) and summary.txt."""
 
-    def __init__(self, steps: tuple[int, int] | None, out_dir: Path, enabled: bool):
-        self.first, self.last = steps if steps and enabled else (0, -1)
+    def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool):
+        self.first, self.last = (steps[0], min(steps[1], final_step)) if steps and enabled else (0, -1)
         self.out_dir = out_dir
         self.profiler: torch.profiler.profile | None = None
         self.span: torch.profiler.record_function | None = None
