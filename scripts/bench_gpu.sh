@@ -37,6 +37,16 @@ train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES 
   else grep -E "start-up|^\[.*step (1|$STEPS)/" "$LOGS/$name.log" | tail -3; fi
 }
 
+p7b_data() {  # the P-7B token file, enough samples for every stage's runs
+  python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+}
+
+hf_checkpoint() {  # hf_checkpoint SHAPES DIR: a random bf16 Hugging Face checkpoint of those shapes, timed
+  local t0=$SECONDS
+  python3 scripts/save_random_checkpoint.py "$1" "$2" --device cuda
+  echo "saved $2 in $((SECONDS - t0)) s"; du -sh "$2"
+}
+
 for stage in "$@"; do
   case $stage in
     info)
@@ -46,16 +56,15 @@ for stage in "$@"; do
       python3 scripts/demo_data.py --out data/demo >/dev/null
       train smoke configs/demo.yaml train.max_steps=20 fsdp.param_dtype=bfloat16 ;;
     ckpt7b)
-      t0=$SECONDS; python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-7b "$CKPT7B" --device cuda
-      echo "saved in $((SECONDS - t0)) s"; du -sh "$CKPT7B" ;;
+      hf_checkpoint configs/models/qwen2.5-7b "$CKPT7B" ;;
     fsdp)
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 2 * STEPS)) --length 4096
+      p7b_data
       for compile in true false; do for ratio in 1 0.5 0; do
         train "p7b-compile-$compile-ac$ratio" configs/bench/p7b.yaml model.name_or_path="$CKPT7B" \
           model.init=pretrained compile.enabled=$compile ac.ratio=$ratio train.max_steps="$STEPS"
       done; done ;;
     ckpt)  # save + resume + export times for the 7B model (needs ckpt7b)
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 2 * 16)) --length 4096
+      p7b_data
       P7B=(configs/bench/p7b.yaml model.name_or_path="$CKPT7B" model.init=pretrained train.overwrite=false)
       train p7b-ckpt "${P7B[@]}" train.max_steps=8 checkpoint.export_hf=true
       grep -E "saved|exported" "$LOGS/p7b-ckpt.log"
@@ -71,13 +80,15 @@ for stage in "$@"; do
     attention)
       python3 scripts/bench_attention.py --batch 2 --seq 4096 --heads 28 --kv-heads 4 --head-dim 128 ;;
     perf)  # P-7B, one change at a time against the defaults; the first run also traces steps 9-10
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+      p7b_data
       P7B=(configs/bench/p7b.yaml train.max_steps="$STEPS")
       while read -r name overrides; do
         [[ "$name" =~ ${ONLY:-.} ]] || continue
-        case $overrides in NCCL_*) export "${overrides%% *}"; overrides=${overrides#* };; esac  # env, then keys
-        # shellcheck disable=SC2086
-        train "p7b-$name" "${P7B[@]}" $overrides </dev/null; unset NCCL_MAX_CTAS
+        (  # a subshell: an environment setting (NCCL_*=...) before the keys applies to this run only
+          case $overrides in NCCL_*) export "${overrides%% *}"; overrides=${overrides#* };; esac
+          # shellcheck disable=SC2086
+          train "p7b-$name" "${P7B[@]}" $overrides </dev/null
+        )
       done <<'RUNS'
 default     logging.profile_steps=[9,10]
 zero2       fsdp.reshard_after_forward=false
@@ -103,15 +114,14 @@ RUNS
           ac.ratio=$ratio train.max_steps=8
       done ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
-      t0=$SECONDS; python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random --device cuda
-      echo "saved the 14B checkpoint in $((SECONDS - t0)) s"; du -sh /tmp/qwen2.5-14b-random
+      p7b_data
+      hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random
       train s14b configs/bench/p7b.yaml model.name_or_path=/tmp/qwen2.5-14b-random model.init=pretrained \
         plan.auto=true train.grad_accum_steps=2 train.max_steps=8
       grep -E "plan.auto|RSS|start-up" "$LOGS/s14b.log" ;;
     ckpt14b)  # 14B: checkpoint save / resume / HF export times (~210 GB of disk at the peak)
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
-      [ -d /tmp/qwen2.5-14b-random ] || python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random --device cuda
+      p7b_data
+      [ -d /tmp/qwen2.5-14b-random ] || hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random
       S14B=(configs/bench/p7b.yaml model.name_or_path=/tmp/qwen2.5-14b-random model.init=pretrained plan.auto=true
             train.grad_accum_steps=2 train.overwrite=false)
       train s14b-ckpt "${S14B[@]}" train.max_steps=3 checkpoint.enabled=true

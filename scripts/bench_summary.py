@@ -9,16 +9,17 @@ leaving out the steps traced by the profiler (logging.profile_steps in the run's
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import yaml
 
+from sft.metrics import read_metrics
+
 
 def summarise(run_dir: Path, warmup: int) -> dict:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "loss" in r]
+    by_step, _ = read_metrics(run_dir)
+    steps = [by_step[s] for s in sorted(by_step)]
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     first, last = (config.get("logging") or {}).get("profile_steps") or (0, -1)
     steady = [r for r in steps[warmup:] if not first <= r["step"] <= last] or steps

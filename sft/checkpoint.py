@@ -8,6 +8,7 @@ Layout of a run directory's checkpoints:
         rng-rank{r}.pt           python / numpy / torch / cuda RNG state of rank r
         train_state.json         step, tokens seen, global batch, world size
         config.yaml              the resolved config of the run
+        hf/                      the model's config.json and tokenizer (export needs nothing else)
     checkpoints/latest           name of the newest committed checkpoint (a one-line file)
 
 A save writes `step-N.tmp/`, waits for every rank, renames it to `step-N/`, then rewrites
@@ -22,11 +23,12 @@ grad-acc x ranks) continues with exactly the samples the original run would have
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, log0
@@ -72,6 +74,23 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _written_by_all_ranks(final: Path, env: DistEnv) -> Iterator[Path]:
+    """Collective: yield `<final>.tmp` for every rank to write its part into; once all have, rank 0
+    renames it to `final`. A crash midway leaves only the .tmp (the distributed counterpart of
+    sft.hf_io.atomic_directory)."""
+    tmp = final.with_name(final.name + ".tmp")
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    yield tmp
+    dist.barrier()  # every rank's part is on disk before the directory is committed
+    if env.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
 def save_checkpoint(root: Path, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, config_yaml: str,
                     tokenizer: PreTrainedTokenizerBase, keep_last: int, env: DistEnv) -> Path:
@@ -80,24 +99,18 @@ def save_checkpoint(root: Path, step: int, model: PreTrainedModel, optimizer: to
     Besides the sharded state, hf/ holds the model's config.json and the tokenizer, so the
     checkpoint exports (sft/export.py) without the original model directory.
     """
-    final, tmp = root / f"step-{step}", root / f"step-{step}.tmp"
+    final = root / f"step-{step}"
+    with _written_by_all_ranks(final, env) as tmp:
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=tmp)
+        torch.save(_rng_state(), tmp / f"rng-rank{env.rank}.pt")
+        if env.is_main:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2))
+            model.config.save_pretrained(tmp / "hf")
+            tokenizer.save_pretrained(tmp / "hf")
     if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)
-    torch.save(_rng_state(), tmp / f"rng-rank{env.rank}.pt")
-    if env.is_main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2))
-        model.config.save_pretrained(tmp / "hf")
-        tokenizer.save_pretrained(tmp / "hf")
-    dist.barrier()  # every rank's shards are on disk before the checkpoint is committed
-    if env.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         _write_atomically(root / "latest", final.name + "\n")
         # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
         # that were killed midway (step-N.tmp).
@@ -221,14 +234,7 @@ def load_prepared_model(path: Path, model: nn.Module) -> bool:
 
 
 def save_prepared_model(path: Path, model: nn.Module, env: DistEnv) -> None:
-    """Write the prepared-model cache once, committed like a checkpoint (tmp, barrier, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
-    dist.barrier()
-    if env.is_main:
-        os.replace(tmp, path)
+    """Write the prepared-model cache once, committed like a checkpoint."""
+    with _written_by_all_ranks(path, env) as tmp:
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
     dist.barrier()

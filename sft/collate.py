@@ -54,5 +54,5 @@ def collate_packed(rows: list[list[dict]], pad_token_id: int, row_len: int) -> d
             start += n
         # The padding continues the last sample's positions, so it reads as part of it (and is
         # ignored by the loss) rather than as a new document.
-        position_ids[r, start:] = torch.arange(start, row_len) - start + (position_ids[r, start - 1] + 1 if start else 0)
+        position_ids[r, start:] = torch.arange(row_len - start) + (position_ids[r, start - 1] + 1 if start else 0)
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}

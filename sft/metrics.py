@@ -117,6 +117,19 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
+    """A run's metrics.jsonl as (step -> training entry, step -> eval loss); where a resumed run
+    repeated steps, the last entry wins."""
+    steps, evals = {}, {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        if "eval_loss" in entry:
+            evals[entry["step"]] = entry["eval_loss"]
+        else:
+            steps[entry["step"]] = entry
+    return steps, evals
+
+
 def format_step(entry: dict, total_steps: int) -> str:
     line = (f"step {entry['step']}/{total_steps} | loss {entry['loss']:.4f} | grad norm {entry['grad_norm']:.3f} | "
             f"lr {entry['lr']:.2e} | {entry['tokens_per_s_per_gpu']:,.0f} tok/s/gpu")

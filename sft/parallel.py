@@ -13,7 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sft.config import FSDPConfig
+from sft.config import ConfigError, FSDPConfig
 from sft.distributed import log0
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -93,7 +93,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
 def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> DeviceMesh:
     """1-D mesh for FSDP, or (replicate, shard) for HSDP."""
     if world_size % replicate_degree:
-        raise ValueError(f"fsdp.replicate_degree={replicate_degree} does not divide the {world_size} ranks")
+        raise ConfigError(f"fsdp.replicate_degree={replicate_degree} does not divide the {world_size} ranks")
     if replicate_degree == 1:
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),

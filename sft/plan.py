@@ -3,16 +3,17 @@
     python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
 
 Peak = the larger of two moments, + 5% allocator slack. End of forward: fp32 params and both Adam
-moments (12 bytes per parameter over the shard group; gradients are None between steps), the
-gathered bf16 blocks in flight (current + prefetched block, the root's embeddings and lm_head,
-one block's unsharded fp32 gradients), activations (a checkpointed block keeps only its input,
-the others everything backward needs, plus one block being recomputed) and the loss buffers (one
-chunk of fp32 logits and its gradient, the fp32 lm_head gradient formed in forward). End of
-backward: all 16 bytes per parameter of sharded state, the gathered blocks, one block's activations. The activation bytes per token and
-layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16 tensors an RMSNorm/attention/SwiGLU block
-saves), and 0.7 of that compiled (fusion saves fewer intermediates): both factors were calibrated
-on Qwen2.5-7B shapes on 4 H200 (docs/BENCHMARKS.md "Memory planner"), so treat other shapes as
-estimates and leave a margin.
+moments (12 bytes per parameter over the shard group; gradients are None between steps, so +4
+from the second micro-batch of a step on), the gathered bf16 blocks (current + prefetched, or with
+ZeRO-2 every block until its backward; the root's embeddings and lm_head), activations (a
+checkpointed block keeps only its input, the others everything backward needs, plus one block
+being recomputed) and the loss buffers (one chunk of fp32 logits and its gradient, the fp32
+lm_head gradient formed in forward). End of backward: all 16 bytes per parameter of sharded
+state, the gathered blocks, one block's unsharded fp32 gradients and one block's activations.
+The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16
+tensors an RMSNorm/attention/SwiGLU block saves), and 0.7 of that compiled (fusion saves fewer
+intermediates), fitted on Qwen2.5-7B shapes; docs/BENCHMARKS.md "Memory planner" compares the
+predictions with 18 measured peaks (0.5B-14B). Other architectures are estimates: leave a margin.
 """
 
 from __future__ import annotations

@@ -7,20 +7,9 @@ metrics.jsonl. Needs matplotlib (pip install matplotlib); nothing else in sft im
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-
-def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    """Per-step training entries and eval losses; a resumed run's repeated steps keep the last value."""
-    steps, evals = {}, {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        if "eval_loss" in entry:
-            evals[entry["step"]] = entry["eval_loss"]
-        else:
-            steps[entry["step"]] = entry
-    return steps, evals
+from sft.metrics import read_metrics
 
 
 def plot(run_dir: Path) -> Path:
