@@ -1,5 +1,10 @@
 # Two commands on a fresh machine:  `make demo`  and  `make test`.
-PYTHON ?= python3
+# Everything is installed into a project-local virtual environment (.venv/), never into the
+# Python that runs make: your global site-packages and editable installs stay as they are.
+# PYTHON=/path/to/python uses an environment you made yourself instead (nothing is created).
+SYSTEM_PYTHON ?= python3
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
 # torch is installed first and pinned only if missing (an unpinned install may pull a CUDA build).
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 1
@@ -11,7 +16,10 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
 .PHONY: install demo test demo-data
 
-.cache/installed: pyproject.toml
+$(VENV)/bin/python:
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+
+.cache/installed: pyproject.toml $(PYTHON)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 	$(PYTHON) -m pip install -e '.[test]'
 	mkdir -p .cache && touch $@
