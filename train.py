@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from sft.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, load_checkpoint, load_prepared_model, prepare_run_dir,
                             save_checkpoint, save_prepared_model)
-from sft.config import ConfigError, parse_args, to_yaml
+from sft.config import ConfigError, check_machine, parse_args, to_yaml
 from sft.data import DataError, MicroBatches, StepSampler, load_sft_data, pack_best_fit
 from sft.distributed import all_reduce_sum, init_distributed, log0
 from sft.evaluate import evaluate
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
     env = init_distributed()
+    check_machine(cfg, env.device)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)

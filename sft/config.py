@@ -28,6 +28,10 @@ class ConfigError(ValueError):
     """A configuration problem the user must fix; the message names the key and the file."""
 
 
+# The dtype names the config accepts (fsdp.*_dtype, checkpoint.export_dtype) and what they mean.
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = ""
@@ -251,8 +255,6 @@ def _range_checks(cfg: Config) -> list[str]:
           "must be >= 1, or null for all rows")
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
-    check(not cfg.fsdp.cpu_offload or torch.cuda.is_available(), "fsdp.cpu_offload", cfg.fsdp.cpu_offload,
-          "offloads GPU training state to host memory: needs GPUs")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
@@ -272,6 +274,20 @@ def _range_checks(cfg: Config) -> list[str]:
         if value and _looks_like_local_file(value):
             check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
     return problems
+
+
+def check_machine(cfg: Config, device: torch.device) -> None:
+    """Checks of settings that depend on the machine that trains (GPU-only features).
+
+    Called by train.py once the device is known, never at parse time: planning a GPU run
+    (python -m sft.plan, python -m sft.config) must work on a login node without GPUs.
+    """
+    problems = []
+    if cfg.fsdp.cpu_offload and device.type != "cuda":
+        problems.append(f"fsdp.cpu_offload={cfg.fsdp.cpu_offload!r}: offloads GPU training state to host memory: "
+                        "needs GPUs (set it to false on a CPU-only machine)")
+    if problems:
+        raise ConfigError("invalid config for this machine:\n  - " + "\n  - ".join(problems))
 
 
 def _looks_like_local_file(path: str) -> bool:

@@ -18,10 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from sft.config import ModelConfig
+from sft.config import DTYPES, ModelConfig
 from sft.hf_io import atomic_directory, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
-from sft.parallel import DTYPES
 
 _GROUP_BYTES = 5 * 2**30
 

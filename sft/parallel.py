@@ -7,17 +7,13 @@ block from outside (TorchTitan's order).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sft.config import ConfigError, FSDPConfig
+from sft.config import DTYPES, ConfigError, FSDPConfig
 from sft.distributed import log0
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
     """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
