@@ -4,7 +4,7 @@
     python scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4096 --lognormal 600 0.8
 
 Fixed length (workload P-7B) or lengths round(exp(N(ln median, sigma))) clipped to [64, 4096]
-(workload V-7B), as in ../shared/reference/ANCHORS.md.
+(workload V-7B), as in docs/BENCHMARKS.md, "Workloads".
 """
 
 from __future__ import annotations
