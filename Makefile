@@ -14,7 +14,7 @@ export OMP_NUM_THREADS ?= 1
 # A persistent compile cache keeps torch.compile tests fast after the first run.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 
-.PHONY: install demo test demo-data
+.PHONY: install demo test test-fast demo-data
 
 $(VENV)/bin/python:
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -36,3 +36,7 @@ demo: install demo-data
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# The unit tier (no torchrun launches), under a minute: for the edit-test loop while developing.
+test-fast: install
+	$(PYTHON) -m pytest -q -m "not slow" tests

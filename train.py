@@ -12,8 +12,8 @@ optimizer -> training loop with held-out eval. The machinery lives in sft/, one 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,26 +22,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sft.checkpoint import (REQUEUE_EXIT_CODE, CheckpointError, load_checkpoint, load_prepared_model, prepare_run_dir,
-                            save_checkpoint, save_prepared_model)
-from sft.config import ConfigError, check_machine, parse_args, to_yaml
-from sft.data import DataError, MicroBatches, StepSampler, load_sft_data, pack_best_fit
-from sft.distributed import all_reduce_sum, init_distributed, log0
+from sft.checkpoint import Checkpointer
+from sft.config import UserError, check_machine, parse_args
+from sft.data import TrainBatches, MicroBatches, load_sft_data
+from sft.distributed import init_distributed, log0
 from sft.evaluate import evaluate
 from sft.export import export_hf
 from sft.loss import attach_sft_loss, forward_backward
-from sft.metrics import (PEAK_BF16_FLOPS, MetricsLogger, flops_per_token, host_peak_rss_gib, peak_memory_gib,
-                         seconds_since_process_start)
-from sft.model import (ModelError, build_meta_model, decoder_blocks, initial_weights, load_tokenizer, load_weights,
-                       materialize, real_buffers)
-from sft.optim import build_optimizer, build_scheduler
+from sft.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
+from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.parallel import build_mesh, parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
-from sft.preemption import StopRequest
+from sft.preemption import REQUEUE_EXIT_CODE, StopRequest, write_stopped_marker
 from sft.profiling import StepProfiler
+from sft.rundir import RunDirectory
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
     env = init_distributed()
@@ -52,28 +50,23 @@ def main(argv: list[str] | None = None) -> None:
 
     gpu_mem_gib = cfg.plan.gpu_mem_gib or (torch.cuda.get_device_properties(env.device).total_memory / GIB
                                            if env.device.type == "cuda" else None)
-    if cfg.plan.auto and gpu_mem_gib:  # before the run directory, so config.yaml records the choice
+    if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
-    run_dir, ckpt_root = cfg.run_dir, cfg.run_dir / "checkpoints"
-    resume_from = prepare_run_dir(cfg, env)
+    # The run directory is locked and checked, but nothing in it changes until everything below
+    # has loaded: a run that fails to start leaves the previous one exactly as it was.
+    run = RunDirectory(cfg, env)
+    run.open()
+    tokenizer = load_tokenizer(cfg.model)
+    ckpt = Checkpointer(cfg, tokenizer, env)
+    resume_from = ckpt.resume_point(auto=run.resume_auto())
 
     # Data before the model: bad data fails fast, before the expensive part.
-    tokenizer = load_tokenizer(cfg.model)
     train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
-    # With packing the sampler draws whole packed rows (lists of samples) instead of samples.
-    packed_rows = pack_best_fit(train_data["length"], cfg.data.max_seq_len) if cfg.data.packing else None
-    sampler = StepSampler(len(packed_rows) if packed_rows else len(train_data), cfg.train.micro_batch_size,
-                          cfg.train.grad_accum_steps, env.rank, env.world_size, cfg.train.seed)
-    if sampler.steps_per_epoch == 0:
-        raise ConfigError(f"{sampler.num_samples} training {'rows' if packed_rows else 'samples'} < one global "
-                          f"batch of {sampler.global_batch}; lower train.micro_batch_size or train.grad_accum_steps")
-    total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    log0(f"data: {len(train_data)} train / {len(eval_data) if eval_data else 0} eval samples"
-         + (f", packed into {len(packed_rows)} rows of {cfg.data.max_seq_len}" if packed_rows else "")
-         + f", global batch {sampler.global_batch}, {total_steps} steps")
-
-    train_batch = MicroBatches(train_data, tokenizer.pad_token_id, cfg.data, packed_rows)
-    eval_batch = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
+    train_batches = TrainBatches(train_data, tokenizer.pad_token_id, cfg.data, cfg.train.micro_batch_size,
+                                 cfg.train.grad_accum_steps, env.rank, env.world_size, cfg.train.seed)
+    eval_batches = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
+    total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
+    log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
 
     # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
     # shard by shard, so no rank ever holds the full weights.
@@ -85,134 +78,106 @@ def main(argv: list[str] | None = None) -> None:
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
-    # Initial weights come from the run's checkpoint when resuming, else from the prepared-model
-    # cache if there is one, else from the Hugging Face files (or the random init).
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
-    prepared = Path(cfg.model.prepared_cache) if cfg.model.prepared_cache else None
-    if resume_from is None and not (prepared and load_prepared_model(prepared, model)):
-        load_weights(model, initial_weights(cfg.model, cfg.train.seed), env.device)
-        if prepared:
-            save_prepared_model(prepared, model, env)
-            log0(f"wrote the prepared-model cache {prepared}")
-    elif resume_from is None:
-        log0(f"loaded the prepared-model cache {prepared}")
-    attach_sft_loss(model)
-    model.train()
-    num_params = sum(p.numel() for p in model.parameters())
-    rss = torch.zeros(env.world_size)
-    rss[env.rank] = host_peak_rss_gib()
-    rss = all_reduce_sum(rss, env.device).tolist()  # every rank's peak host memory, to show loading is sharded
-    log0(f"model: {type(model).__name__}, {num_params / 1e6:.1f}M parameters, init={cfg.model.init}; "
-         f"host peak RSS per rank after loading: {', '.join(f'{x:.1f}' for x in rss)} GiB")
-
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    # The one place that decides where the weights come from: the resume checkpoint (with the
+    # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.
+    t0 = time.perf_counter()
+    state, loaded = ckpt.restore(resume_from, model, optimizer, scheduler)
+    attach_sft_loss(model)
+    model.train()
+    rss = host_peak_rss_per_rank(env)
+    log0(f"{loaded} in {time.perf_counter() - t0:.1f} s; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+         f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
+    if state.get("global_batch", train_batches.sampler.global_batch) != train_batches.sampler.global_batch:
+        log0(f"warning: global batch {train_batches.sampler.global_batch} != {state['global_batch']} of the "
+             "checkpoint; the data order from here differs from the original run's")
 
-    start_step, tokens_seen = 0, 0
-    if resume_from is not None:
-        t0 = time.perf_counter()
-        state = load_checkpoint(resume_from, model, optimizer, scheduler, env)
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
-        log0(f"resumed from {resume_from} (step {start_step}, saved by {state['world_size']} ranks) "
-             f"in {time.perf_counter() - t0:.1f} s")
-        if state["global_batch"] != sampler.global_batch:
-            log0(f"warning: global batch {sampler.global_batch} != {state['global_batch']} of the checkpoint; "
-                 "the data order from here differs from the original run's")
+    run.start()  # everything loaded: only now does this run change its directory
+    start_step = state["step"]
     stop = StopRequest()
-    logger = MetricsLogger(run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
+    logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
+    startup_s = seconds_since_process_start()
+    log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
+    metrics = StepMetrics(model, env, total_steps, state["tokens_seen"],
+                          first_step_extras={"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss})
+    profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
+                            report=logger.message)
 
     def run_eval(step: int) -> float | None:
-        if eval_data is None:
+        if eval_batches is None:
             return None
-        loss = evaluate(model, eval_batch, cfg.train.micro_batch_size, env)
+        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env)
         logger.log({"step": step, "eval_loss": loss})
         return loss
 
-    startup_s = seconds_since_process_start()
-    log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
     def save(step: int) -> Path | None:
         if not cfg.checkpoint.enabled:
             return None
-        state = {"step": step, "tokens_seen": tokens_seen, "global_batch": sampler.global_batch,
-                 "world_size": env.world_size}
         t0 = time.perf_counter()
-        path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, state, to_yaml(cfg), tokenizer,
-                               cfg.checkpoint.keep_last, env)
+        path = ckpt.save(step, model, optimizer, scheduler, {
+            "tokens_seen": metrics.tokens_seen, "global_batch": train_batches.sampler.global_batch,
+            "world_size": env.world_size, "first_eval_loss": first_eval})
         logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s")
         return path
 
-    first_eval = last_eval = run_eval(start_step)
-    profiler = StepProfiler(cfg.logging.profile_steps, total_steps, run_dir / "profile", enabled=env.is_main)
-    step_times: list[float] = []
-    text_config = model.config.get_text_config()
+    # A resumed run keeps the eval loss of the run's start (no extra full eval per resume).
+    first_eval = state["first_eval_loss"] if "first_eval_loss" in state else run_eval(start_step)
+    step, stopped = start_step, False
     for step in range(start_step + 1, total_steps + 1):
-        t0 = time.perf_counter()
+        metrics.step_begins()
         profiler.step_begins(step)
-        micro_batches, token_counts = zip(*(train_batch(i) for i in sampler.micro_batches(step - 1)))
-        ce_sum, supervised = forward_backward(model, micro_batches, env.device, cfg.fsdp.sync_grads_each_microbatch)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm or float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        micro_batches = train_batches.step(step)
+        ce_sum, supervised = forward_backward(model, [b for b, _ in micro_batches], env.device,
+                                              cfg.fsdp.sync_grads_each_microbatch)
+        grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        flops = sum(n * flops_per_token(num_params, text_config.num_hidden_layers, text_config.hidden_size,
-                                        b["input_ids"].shape[1]) for n, b in zip(token_counts, micro_batches))
-        # One all-reduce for the metrics and the stop flag (every rank learns of a SIGTERM at the
-        # same step), and the step's only wait for the GPU: reading the results.
-        host_values = torch.tensor([sum(token_counts), flops, float(stop.requested)], dtype=torch.float64)
-        totals = all_reduce_sum(torch.cat([ce_sum.double().view(1), host_values.to(env.device)]), env.device)
-        ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
-            [totals, supervised.view(1), grad_norm.double().view(1)]).tolist()
-        step_time = time.perf_counter() - t0
-        profile_summary = profiler.step_ends(step)
-        step_times.append(step_time)
-        tokens_seen += int(tokens)
-        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm, "lr": lr,
-                 "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": tokens_seen,
-                 "step_time": step_time, "eta_s": (total_steps - step) * statistics.median(step_times[-20:]),
-                 "tokens_per_s_per_gpu": tokens / step_time / env.world_size,
-                 "supervised_tokens_per_s_per_gpu": supervised / step_time / env.world_size,
-                 "peak_memory_gib": peak_memory_gib(env.device)}
-        if env.device.type == "cuda":
-            entry["mfu"] = flops / step_time / env.world_size / PEAK_BF16_FLOPS
-        if step == 1:
-            entry.update(startup_s=startup_s, host_peak_rss_gib_per_rank=rss)
+        entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
         logger.log(entry)
-        if profile_summary:
-            logger.message(f"profile of steps {cfg.logging.profile_steps} in {run_dir / 'profile'}:\n{profile_summary}")
-        if stops:
-            save(step)
-            logger.close()
-            log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s signal'}; "
-                 f"exit code {REQUEUE_EXIT_CODE} asks for a requeue")
-            dist.barrier()
-            dist.destroy_process_group()
-            sys.exit(REQUEUE_EXIT_CODE)
+        profiler.step_ends(step)
+        if stopped:
+            break
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total_steps:
             save(step)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
-            last_eval = run_eval(step)
-    if eval_data is not None:
+            run_eval(step)
+
+    # The one shutdown path, for a finished run and for a stop on SIGTERM/SIGUSR1.
+    if stopped:
+        save(step)
+        if env.is_main:
+            write_stopped_marker(cfg.run_dir, step, stop.signal_name)
+        log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s signal'} with a committed "
+             f"checkpoint; exit code {REQUEUE_EXIT_CODE} asks for a requeue")
+    else:
         last_eval = run_eval(total_steps)
-        log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
-    final = save(total_steps) if start_step < total_steps else resume_from
+        if last_eval is not None and first_eval is not None:
+            log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
+        final = save(total_steps) if start_step < total_steps else resume_from
     logger.close()
-    if env.is_main:
+    if env.is_main and not stopped:
         if cfg.checkpoint.export_hf:
             t0 = time.perf_counter()
-            export_hf(final, run_dir / "export", cfg.checkpoint.export_dtype)
-            log0(f"exported a Hugging Face model to {run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
-        (run_dir / "finished").touch()
+            export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
+            log0(f"exported a Hugging Face model to {cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
+        run.finish()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
+    return REQUEUE_EXIT_CODE if stopped else 0
 
 
 if __name__ == "__main__":
     try:
-        main()
-    except (ConfigError, DataError, ModelError, CheckpointError) as e:
-        # Bad input: one clear message, no traceback, non-zero exit so the scheduler sees it.
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(main())
+    except UserError as e:
+        # Bad input: one clear line, no traceback, exit 2 so the scheduler sees a failure. An
+        # error every rank raises alike is reported once, by rank 0.
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not e.shared:
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         sys.exit(2)

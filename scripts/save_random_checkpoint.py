@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from sft.config import ModelConfig
-from sft.hf_io import atomic_directory, write_safetensors
+from sft import atomic
+from sft.hf_io import write_safetensors
 from sft.model import RandomWeights
 
 
@@ -33,7 +34,7 @@ def main() -> None:
         for name, param in weights.reference.named_parameters():
             yield name, weights.read(name, (), device).to(torch.bfloat16)
 
-    with atomic_directory(Path(args.out_dir)) as tmp:
+    with atomic.directory(Path(args.out_dir)) as tmp:
         write_safetensors(tensors(), tmp)
         for extra in Path(args.model_dir).iterdir():
             if extra.suffix in (".json", ".jinja") and not extra.name.startswith("model.safetensors"):

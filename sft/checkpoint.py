@@ -6,15 +6,17 @@ Layout of a run directory's checkpoints:
         .metadata, *.distcp      DCP: model + optimizer, sharded (reshardable to any world size)
         scheduler.pt             LR scheduler state
         rng-rank{r}.pt           python / numpy / torch / cuda RNG state of rank r
-        train_state.json         step, tokens seen, global batch, world size
+        train_state.json         step, tokens seen, global batch, world size, first eval loss
         config.yaml              the resolved config of the run
         hf/                      the model's config.json and tokenizer (export needs nothing else)
-    checkpoints/latest           name of the newest committed checkpoint (a one-line file)
+    checkpoints/latest           name of the newest committed checkpoint (for people and tools)
 
-A save writes `step-N.tmp/`, waits for every rank, renames it to `step-N/`, then rewrites
-`latest` (write + rename), and only then deletes checkpoints beyond `keep_last`: a crash at any
-point leaves `latest` on a complete checkpoint. Resume `auto` takes `latest`, or failing that
-the newest complete `step-N/`, skipping (with a warning) any that is incomplete.
+A save writes `step-N.tmp/`, waits for every rank, fsyncs it and renames it to `step-N/`, then
+rewrites `latest`, and only then deletes checkpoints beyond `keep_last`: a crash at any point
+leaves a complete checkpoint. Resume `auto` takes the newest complete `step-N/`, skipping (with a
+warning) any that is incomplete or damaged: every file a resume reads is checked (sizes, parse).
+A save that fails (disk full, permissions) removes its `.tmp`, leaves the previous checkpoints as
+they were and stops the run with one clear error.
 
 Data position: the sampler is a pure function of (seed, step, global batch), so the step is the
 data position. Resuming on another number of ranks with the same global batch (micro-batch x
@@ -23,34 +25,47 @@ grad-acc x ranks) continues with exactly the samples the original run would have
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
-import os
 import random
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sft.config import Config, ConfigError, to_yaml
-from sft.distributed import DistEnv, log0
-
-# The exit status of a run that stopped on SIGTERM/SIGUSR1 after committing a checkpoint:
-# EX_TEMPFAIL, "try again later". slurm/train.slurm turns it into a requeue.
-REQUEUE_EXIT_CODE = 75
-_FILES = ("train_state.json", "scheduler.pt", "config.yaml", "hf/config.json")
+from sft import atomic
+from sft.config import Config, UserError, to_yaml
+from sft.distributed import DistEnv, decided_on_rank0, log0
+from sft.model import initial_weights, load_weights
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used; the message names the directory and what is missing."""
+
+def _read_train_state(path: Path) -> dict:
+    state = json.loads(path.read_text())
+    for key in ("step", "tokens_seen", "global_batch", "world_size"):
+        state[key]  # noqa: B018 -- a KeyError marks the file as damaged
+    return state
+
+
+# Files of a checkpoint besides DCP's, each with a reader that fails if the file is damaged.
+_FILES = {
+    "train_state.json": _read_train_state,
+    "scheduler.pt": lambda path: torch.load(path, weights_only=False),
+    "config.yaml": lambda path: yaml.safe_load(path.read_text())["model"],
+    "hf/config.json": lambda path: json.loads(path.read_text())["model_type"],
+}
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used or written; the message names the directory and the fix."""
 
 
 def _rng_state() -> dict:
@@ -68,73 +83,21 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def _written_by_all_ranks(final: Path, env: DistEnv) -> Iterator[Path]:
-    """Collective: yield `<final>.tmp` for every rank to write its part into; once all have, rank 0
-    renames it to `final`. A crash midway leaves only the .tmp (the distributed counterpart of
-    sft.hf_io.atomic_directory)."""
-    tmp = final.with_name(final.name + ".tmp")
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    yield tmp
-    dist.barrier()  # every rank's part is on disk before the directory is committed
-    if env.is_main:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-
-
-def save_checkpoint(root: Path, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, config_yaml: str,
-                    tokenizer: PreTrainedTokenizerBase, keep_last: int, env: DistEnv) -> Path:
-    """Write and commit checkpoints/step-<step>; return its path. Collective: all ranks call it.
-
-    Besides the sharded state, hf/ holds the model's config.json and the tokenizer, so the
-    checkpoint exports (sft/export.py) without the original model directory.
-    """
-    final = root / f"step-{step}"
-    with _written_by_all_ranks(final, env) as tmp:
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=tmp)
-        torch.save(_rng_state(), tmp / f"rng-rank{env.rank}.pt")
-        if env.is_main:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            (tmp / "config.yaml").write_text(config_yaml)
-            (tmp / "train_state.json").write_text(json.dumps(train_state, indent=2))
-            model.config.save_pretrained(tmp / "hf")
-            tokenizer.save_pretrained(tmp / "hf")
-    if env.is_main:
-        _write_atomically(root / "latest", final.name + "\n")
-        # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
-        # that were killed midway (step-N.tmp).
-        for old in sorted(_committed(root), key=_step_of)[:-keep_last]:
-            shutil.rmtree(old)
-        for leftover in root.glob("step-*.tmp"):
-            shutil.rmtree(leftover)
-    dist.barrier()
-    return final
-
-
 def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step-"))
 
 
 def _committed(root: Path) -> list[Path]:
-    return [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
+    """Committed checkpoint directories, newest first."""
+    found = [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
+    return sorted(found, key=_step_of, reverse=True)
 
 
-def checkpoint_problem(path: Path, required: tuple[str, ...] = _FILES) -> str | None:
-    """Why `path` is not a complete checkpoint (with the `required` files besides DCP's), or None."""
+def checkpoint_problem(path: Path, files: tuple[str, ...] = tuple(_FILES)) -> str | None:
+    """Why `path` is not a complete, readable checkpoint (DCP data plus `files`), or None."""
     if not path.is_dir():
         return "no such directory"
-    missing = [f for f in (".metadata", *required) if not (path / f).is_file()]
+    missing = [f for f in (".metadata", *files) if not (path / f).is_file()]
     if missing:
         return f"missing {', '.join(missing)}"
     try:
@@ -145,96 +108,181 @@ def checkpoint_problem(path: Path, required: tuple[str, ...] = _FILES) -> str | 
         data = path / info.relative_path
         if not data.is_file() or data.stat().st_size < info.offset + info.length:
             return f"data file {info.relative_path} is missing or truncated"
-    return None
-
-
-def find_checkpoint(root: Path, resume: str) -> Path | None:
-    """The checkpoint to resume from: `resume` is auto, none, or a checkpoint directory."""
-    if resume == "none":
-        return None
-    if resume != "auto":
-        problem = checkpoint_problem(Path(resume))
-        if problem:
-            raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
-        return Path(resume)
-    candidates = sorted(_committed(root), key=_step_of, reverse=True)
-    latest = root / "latest"
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        candidates = [named] + [c for c in candidates if c != named]
-    for candidate in candidates:
-        problem = checkpoint_problem(candidate)
-        if problem is None:
-            return candidate
-        log0(f"checkpoint: skipping {candidate} ({problem})")
-    return None
-
-
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, env: DistEnv) -> dict:
-    """Load model, optimizer, scheduler and this rank's RNG state in place; return the train state."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng = path / f"rng-rank{env.rank}.pt"
-    if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
-        _set_rng_state(torch.load(rng, weights_only=False))
-    return json.loads((path / "train_state.json").read_text())
-
-
-def prepare_run_dir(cfg: Config, env: DistEnv) -> Path | None:
-    """Create the run directory and return the checkpoint to resume from (or None).
-
-    A finished run is kept unless train.overwrite (then its checkpoints are dropped and it starts
-    over); an unfinished one (stopped, preempted, crashed) continues from its newest complete
-    checkpoint when checkpoint.resume is auto.
-    """
-    run_dir = cfg.run_dir
-    finished = (run_dir / "finished").exists()
-    if finished and not cfg.train.overwrite:
-        raise ConfigError(f"{run_dir} holds a finished run; set train.overwrite=true or another train.run_name")
-    dist.barrier()  # every rank has looked before rank 0 changes anything
-    if env.is_main:
-        if finished:
-            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            (run_dir / "finished").unlink()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        log0(f"run directory {run_dir}; resolved config:\n{to_yaml(cfg)}")
-    return _decided_on_rank0(lambda: find_checkpoint(run_dir / "checkpoints", cfg.checkpoint.resume))
-
-
-def _decided_on_rank0(decide: Callable[[], object]) -> object:
-    """Run `decide` on rank 0 only and hand its result (or its CheckpointError) to every rank:
-    one rank reads the shared filesystem instead of all of them, and all ranks agree."""
-    outcome: list = [None]
-    if dist.get_rank() == 0:
+    for name in files:
         try:
-            outcome[0] = ("ok", decide())
-        except CheckpointError as e:
-            outcome[0] = ("error", str(e))
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "error":
-        raise CheckpointError(value)
-    return value
+            _FILES[name](path / name)
+        except Exception as e:  # empty, truncated or garbage: what a crash before fsync leaves
+            return f"unreadable {name} ({type(e).__name__})"
+    for rng in path.glob("rng-rank*.pt"):
+        try:
+            torch.load(rng, weights_only=False)
+        except Exception as e:
+            return f"unreadable {rng.name} ({type(e).__name__})"
+    return None
 
 
-def load_prepared_model(path: Path, model: nn.Module) -> bool:
-    """Fill `model` from a prepared-model cache (a DCP copy of the loaded, cast, sharded initial
-    weights) if `path` holds a complete one; return whether it did."""
-    if _decided_on_rank0(lambda: checkpoint_problem(path, required=())) is not None:
-        return False
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    return True
+def _shape_mismatches(path: Path, state: dict) -> list[str]:
+    """Model tensors that differ between this model and the checkpoint's (another architecture,
+    size or depth): shapes of the tensors both have, and tensors only one of them has."""
+    saved = {key.removeprefix("model."): tuple(meta.size)
+             for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.")}
+    ours = {name: tuple(tensor.shape) for name, tensor in state["model"].items()}
+    return [f"{name}: {ours.get(name, 'absent')} here, {saved.get(name, 'absent')} in the checkpoint"
+            for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]
 
 
-def save_prepared_model(path: Path, model: nn.Module, env: DistEnv) -> None:
-    """Write the prepared-model cache once, committed like a checkpoint."""
-    with _written_by_all_ranks(path, env) as tmp:
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
-    dist.barrier()
+def _no_space(e: BaseException) -> bool:
+    """Whether a failed write ran out of disk space (DCP and torch.save bury the OSError)."""
+    while e is not None:
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class Checkpointer:
+    """Owns a run's checkpoints: the resume point, saves committed atomically, and restore,
+    including where the initial weights come from when there is nothing to resume."""
+
+    def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, env: DistEnv):
+        self.root = cfg.run_dir / "checkpoints"
+        self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
+
+    def resume_point(self, auto: bool) -> Path | None:
+        """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
+        return decided_on_rank0(lambda: self._find(self.cfg.checkpoint.resume, auto))
+
+    def _find(self, resume: str, auto: bool) -> Path | None:
+        if resume not in ("auto", "none"):
+            problem = checkpoint_problem(Path(resume))
+            if problem:
+                raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
+            return Path(resume)
+        if resume == "none" or not auto:
+            return None
+        for candidate in _committed(self.root):
+            problem = checkpoint_problem(candidate)
+            if problem is None:
+                return candidate
+            log0(f"checkpoint: skipping {candidate} ({problem})")
+        return None
+
+    def restore(self, resume_from: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[dict, str]:
+        """Collective: fill the materialised model (and, when resuming, the optimizer and scheduler)
+        from the one source that applies; return the train state and what was loaded, for the log."""
+        prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
+        prepared_ready = prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None
+        fresh = {"step": 0, "tokens_seen": 0}
+        if resume_from is not None:
+            state = self._load(resume_from, model, optimizer, scheduler)
+            return state, f"resumed from {resume_from} (step {state['step']}, saved by {state['world_size']} ranks)"
+        elif prepared_ready:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=prepared)
+            set_model_state_dict(model, state["model"])
+            return fresh, f"loaded the prepared-model cache {prepared}"
+        else:
+            load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed), self.env.device)
+            source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
+            if prepared is None:
+                return fresh, f"loaded weights from {source}"
+            with _WrittenByAllRanks(prepared, self.env) as tmp:
+                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
+            return fresh, f"loaded weights from {source}; wrote the prepared-model cache {prepared}"
+
+    def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+              scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        wrong = decided_on_rank0(lambda: _shape_mismatches(path, state))
+        if wrong:
+            raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
+                                  f"{wrong[0]}); resume with the model it was trained from, or set "
+                                  "checkpoint.resume=none")
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        rng = path / f"rng-rank{self.env.rank}.pt"
+        if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
+            _set_rng_state(torch.load(rng, weights_only=False))
+        return _read_train_state(path / "train_state.json")
+
+    def save(self, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
+             scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict) -> Path:
+        """Collective: write and commit checkpoints/step-<step>; return its path.
+
+        Besides the sharded state, hf/ holds the model's config.json and the tokenizer, so the
+        checkpoint exports (sft/export.py) without the original model directory.
+        """
+        final = self.root / f"step-{step}"
+        with _WrittenByAllRanks(final, self.env, checkpoints=self.root) as tmp:
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp.save(state, checkpoint_id=tmp)
+            torch.save(_rng_state(), tmp / f"rng-rank{self.env.rank}.pt")
+            if self.env.is_main:
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                (tmp / "config.yaml").write_text(to_yaml(self.cfg))
+                (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
+                model.config.save_pretrained(tmp / "hf")
+                self.tokenizer.save_pretrained(tmp / "hf")
+        if self.env.is_main:
+            atomic.write_file(self.root / "latest", final.name + "\n")
+            # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
+            # that were killed midway (step-N.tmp).
+            for old in _committed(self.root)[self.cfg.checkpoint.keep_last:]:
+                shutil.rmtree(old)
+            for leftover in self.root.glob("step-*.tmp"):
+                shutil.rmtree(leftover)
+        dist.barrier()
+        return final
+
+
+class _WrittenByAllRanks:
+    """Collective context: every rank writes its part into `<final>.tmp`; once all have, rank 0
+    commits it as `final` (sft.atomic). If any rank's write fails, the .tmp is removed and every
+    rank raises the same CheckpointError; what was committed before stays as it was (the error
+    names the newest committed checkpoint under `checkpoints`, if given)."""
+
+    def __init__(self, final: Path, env: DistEnv, checkpoints: Path | None = None):
+        self.final, self.env, self.checkpoints = final, env, checkpoints
+        self.tmp = final.with_name(final.name + ".tmp")
+
+    def __enter__(self) -> Path:
+        def make() -> None:
+            try:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                self.tmp.mkdir(parents=True)
+            except OSError as e:
+                raise CheckpointError(f"cannot create {self.tmp}: {e.strerror}; check the permissions and free "
+                                      "space of train.output_dir") from None
+        decided_on_rank0(make)
+        return self.tmp
+
+    def __exit__(self, kind, error, _tb) -> None:
+        failed = torch.tensor([float(error is not None)], device=self.env.device)
+        dist.all_reduce(failed)  # every rank learns whether any rank's write failed
+        if not failed.item():
+            decided_on_rank0(self._commit)
+            return
+        if self.env.is_main:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        raise self._error(error if error is not None else "another rank's write failed")
+
+    def _commit(self) -> None:
+        try:
+            atomic.commit(self.tmp, self.final)
+        except OSError as e:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise self._error(e) from None
+
+    def _error(self, cause: BaseException | str) -> CheckpointError:
+        if isinstance(cause, BaseException):
+            cause = f"no space left on {self.tmp.parent}" if _no_space(cause) else f"{type(cause).__name__}: {cause}"
+        previous = _committed(self.checkpoints) if self.checkpoints else []
+        kept = f"; the previous checkpoint {previous[0]} is intact" if previous else ""
+        error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; free space or fix the permissions "
+                                "of train.output_dir, then rerun: the run resumes from its last checkpoint")
+        error.shared = True  # every rank raises it
+        return error

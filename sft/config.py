@@ -13,6 +13,7 @@ import ast
 import importlib.util
 import dataclasses
 import inspect
+import math
 import sys
 import types
 import typing
@@ -24,8 +25,18 @@ import torch
 import yaml
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Bad input or state that the user must fix: train.py prints the message as one line (no
+    traceback) and exits with status 2. `shared` marks an error that every rank raises alike
+    (decided on rank 0, or from the same config): rank 0 alone reports it."""
+
+    shared = False
+
+
+class ConfigError(UserError):
     """A configuration problem the user must fix; the message names the key and the file."""
+
+    shared = True
 
 
 # The dtype names the config accepts (fsdp.*_dtype, checkpoint.export_dtype) and what they mean.
@@ -335,8 +346,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
                 value = float(value)
             except ValueError:
                 raise TypeError("a number") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError("a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TypeError("a finite number")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -468,8 +479,14 @@ if __name__ == "__main__":
     # python -m sft.config                      -> the config reference (markdown)
     # python -m sft.config --readme README.md   -> refresh the README's copy of it
     # python -m sft.config CONFIG [overrides]   -> the resolved config, validated
+    # python -m sft.config --run-dir CONFIG [overrides]  -> the run directory (slurm/train.slurm)
     if sys.argv[1:2] == ["--readme"]:
         update_readme(Path(sys.argv[2]))
+    elif sys.argv[1:2] == ["--run-dir"]:
+        try:
+            print(load_config(sys.argv[2], sys.argv[3:]).run_dir)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
     elif len(sys.argv) > 1:
         print(to_yaml(load_config(sys.argv[1], sys.argv[2:])), end="")
     else:

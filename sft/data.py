@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from sft.config import DataConfig
+from sft.config import ConfigError, DataConfig, UserError
 from sft.distributed import log0
 from sft import masking
 from sft.collate import collate, collate_packed
@@ -44,7 +44,7 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "observation": "tool", "function": "tool"}
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """The dataset cannot be used as configured; the message names the file/key and the fix."""
 
 
@@ -264,3 +264,28 @@ class MicroBatches:
         rows = [[next(samples) for _ in group] for group in groups]
         tokens = sum(len(s["input_ids"]) for row in rows for s in row)
         return collate_packed(rows, self.pad_token_id, self.cfg.max_seq_len), tokens
+
+
+class TrainBatches:
+    """This rank's micro-batches for each optimizer step. With data.packing the sampler draws
+    packed rows (best-fit decreasing over the training set) instead of single samples."""
+
+    def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig, micro_batch_size: int,
+                 grad_accum_steps: int, rank: int, world_size: int, seed: int):
+        self.packed_rows = pack_best_fit(dataset["length"], cfg.max_seq_len) if cfg.packing else None
+        self.sampler = StepSampler(len(self.packed_rows) if self.packed_rows else len(dataset), micro_batch_size,
+                                   grad_accum_steps, rank, world_size, seed)
+        if self.sampler.steps_per_epoch == 0:
+            raise ConfigError(f"{self.sampler.num_samples} training {'rows' if self.packed_rows else 'samples'} < "
+                              f"one global batch of {self.sampler.global_batch}; lower train.micro_batch_size or "
+                              "train.grad_accum_steps")
+        self.batches = MicroBatches(dataset, pad_token_id, cfg, self.packed_rows)
+        self.num_samples = len(dataset)
+
+    def step(self, step: int) -> list[tuple[dict[str, torch.Tensor], int]]:
+        """(micro-batch, real tokens) pairs of optimizer step `step` (1-based)."""
+        return [self.batches(indices) for indices in self.sampler.micro_batches(step - 1)]
+
+    def describe(self) -> str:
+        packed = f", packed into {len(self.packed_rows)} rows" if self.packed_rows else ""
+        return f"{self.num_samples} train samples{packed}, global batch {self.sampler.global_batch}"

@@ -9,10 +9,14 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from sft.config import UserError
 
 
 @dataclass(frozen=True)
@@ -67,3 +71,24 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
     t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+T = TypeVar("T")
+
+
+def decided_on_rank0(decide: Callable[[], T]) -> T:
+    """Collective: run `decide` on rank 0 only and hand its result, or its UserError, to every
+    rank. One rank reads the shared filesystem instead of all of them, all ranks agree, and an
+    error stops every rank at the same point (none is left waiting in a later collective)."""
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", decide())
+        except UserError as e:
+            outcome[0] = ("error", e)
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        value.shared = True  # raised alike on every rank: reported once, by rank 0
+        raise value
+    return value

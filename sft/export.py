@@ -19,17 +19,16 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from sft.config import DTYPES, ModelConfig
-from sft.hf_io import atomic_directory, write_safetensors
+from sft import atomic
+from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
-
-_GROUP_BYTES = 5 * 2**30
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     names = list(shapes)
     while names:
         group, size = {}, 0
-        while names and (not group or size + shapes[names[0]].numel() * 4 <= _GROUP_BYTES):
+        while names and (not group or size + shapes[names[0]].numel() * 4 <= MAX_SHARD_BYTES):
             name = names.pop(0)
             group[name] = torch.empty(shapes[name], dtype=torch.float32)
             size += group[name].numel() * 4
@@ -49,7 +48,7 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     model = build_meta_model(model_cfg)
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    with atomic_directory(out_dir) as tmp:
+    with atomic.directory(out_dir) as tmp:
         write_safetensors(_tensors(checkpoint, shapes, DTYPES[dtype]), tmp)
         model.config.dtype = dtype
         model.config.use_cache = True  # for inference

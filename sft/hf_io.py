@@ -1,32 +1,21 @@
-"""Writing Hugging Face checkpoints: sharded safetensors + index, streamed, committed atomically."""
+"""Writing Hugging Face checkpoints: sharded safetensors + index, streamed (commit the directory
+with sft.atomic.directory)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-
-@contextlib.contextmanager
-def atomic_directory(out_dir: Path) -> Iterator[Path]:
-    """Yield `<out_dir>.tmp` to write into; rename it to `out_dir` only if the block succeeds,
-    so an interrupted write never leaves a complete-looking directory behind."""
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    yield tmp
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+# The largest safetensors shard written (Hugging Face's own default size).
+MAX_SHARD_BYTES = 5 * 2**30
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
-                      max_shard_bytes: int = 5 * 2**30) -> None:
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write (name, tensor) pairs as model-0000i-of-0000n.safetensors + model.safetensors.index.json.
 
     Tensors are consumed one at a time and a shard is written as soon as it is full, so host

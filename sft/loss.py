@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from sft.distributed import all_reduce_sum
 from sft.masking import IGNORE_INDEX
+from sft.model import ModelError
 
 # Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
 LOGITS_PER_CHUNK = 2**28
@@ -96,10 +97,12 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ValueError(f"{type(model).__name__}: the output layer is not a bias-free Linear; unsupported")
+        raise ModelError(f"{type(model).__name__}: the output layer is not a bias-free Linear, which the fused "
+                         "lm_head + cross-entropy needs; this architecture is not supported")
     for key in ("final_logit_softcapping", "logit_scale"):
         if getattr(model.config, key, None):
-            raise ValueError(f"{type(model).__name__}: config.{key} post-processes logits; unsupported")
+            raise ModelError(f"{type(model).__name__}: config.{key} post-processes logits, which the fused "
+                             "lm_head + cross-entropy does not; this architecture is not supported")
     model.sft_loss = types.MethodType(_sft_loss, model)
     register_fsdp_forward_method(model, "sft_loss")
 

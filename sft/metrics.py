@@ -1,4 +1,5 @@
-"""Throughput accounting: FLOPs per token, MFU, memory, start-up time."""
+"""Training metrics: one owner for what a step measured (tokens/s, MFU, memory) and where it goes
+(metrics.jsonl, the console or a progress bar, TensorBoard, W&B)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -13,15 +15,34 @@ from pathlib import Path
 import torch
 
 from sft.config import LoggingConfig
+from sft.distributed import DistEnv, all_reduce_sum, log0
 
-# Dense bf16 peak of an H100/H200 SXM (the MFU denominator used in docs/BENCHMARKS.md).
-PEAK_BF16_FLOPS = 989e12
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
+# text is in torch.cuda.get_device_name() (so the specific "H100 PCIe" comes before "H100").
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12), ("H800", 989e12),
+    ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+)
+
+# The keys of every training entry of metrics.jsonl (the README's "Run directory" table lists
+# them; tests check both). GPUs with a known peak add "mfu"; the first step adds START_KEYS.
+STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "supervised_tokens", "tokens_seen", "step_time", "eta_s",
+             "tokens_per_s_per_gpu", "supervised_tokens_per_s_per_gpu", "peak_memory_gib")
+START_KEYS = ("startup_s", "host_peak_rss_gib_per_rank")
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token: 6*N for the matmuls with the weights (forward + backward) plus
     6*L*s*h for attention scores and values (PaLM's formula; recomputation not counted)."""
     return 6 * num_params + 6 * num_layers * seq_len * hidden
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The GPU's dense bf16 peak, or None (CPU, or a GPU not in PEAK_BF16_FLOPS)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -45,6 +66,70 @@ def seconds_since_process_start() -> float:
 def host_peak_rss_gib() -> float:
     """Peak resident host memory of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def host_peak_rss_per_rank(env: DistEnv) -> list[float]:
+    """Collective: every rank's peak host memory (GiB), e.g. to show that loading is sharded."""
+    rss = torch.zeros(env.world_size)
+    rss[env.rank] = host_peak_rss_gib()
+    return all_reduce_sum(rss, env.device).tolist()
+
+
+class StepMetrics:
+    """The numbers of each optimizer step, from the values the loop hands over by name.
+
+    One all-reduce per step carries the loss sum, the token and FLOP counts and the stop flag
+    (so every rank learns of a SIGTERM at the same step); reading its result is the step's only
+    wait for the GPU. The entry it returns is a metrics.jsonl line (STEP_KEYS).
+    """
+
+    def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
+                 first_step_extras: dict):
+        text = model.config.get_text_config()
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
+        self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
+        self.first_step_extras = first_step_extras
+        self.peak_flops = peak_bf16_flops(env.device)
+        if env.device.type == "cuda" and self.peak_flops is None:
+            log0(f"metrics: no bf16 peak known for {torch.cuda.get_device_name(env.device)}; MFU is not reported")
+        self.step_times: list[float] = []
+        self._t0 = 0.0
+
+    def step_begins(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def step_ends(self, step: int, micro_batches: list[tuple[dict, int]], ce_sum: torch.Tensor,
+                  supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> tuple[dict, bool]:
+        """Return (this step's metrics.jsonl entry, whether any rank asked to stop).
+
+        `micro_batches` are (batch, real tokens) pairs; `ce_sum` is this rank's summed CE,
+        `supervised` the global supervised-token count, `grad_norm` the global norm.
+        """
+        tokens = sum(n for _, n in micro_batches)
+        flops = sum(n * flops_per_token(self.num_params, self.num_layers, self.hidden, b["input_ids"].shape[1])
+                    for b, n in micro_batches)
+        summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(self.env.device),
+                                           torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64,
+                                                        device=self.env.device)]), self.env.device)
+        # grad_norm may live on the host (CPU offload): bring everything to one device to read it once.
+        ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
+            [summed, supervised.double().view(1).to(self.env.device),
+             grad_norm.double().view(1).to(self.env.device)]).tolist()
+        step_time = time.perf_counter() - self._t0
+        self.step_times.append(step_time)
+        self.tokens_seen += int(tokens)
+        per_gpu = step_time * self.env.world_size
+        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm, "lr": lr,
+                 "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": self.tokens_seen,
+                 "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
+                 "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
+                 "peak_memory_gib": peak_memory_gib(self.env.device)}
+        if self.peak_flops:
+            entry["mfu"] = flops / per_gpu / self.peak_flops
+        if len(self.step_times) == 1:
+            entry.update(self.first_step_extras)
+        return entry, stops > 0
 
 
 class MetricsLogger:

@@ -25,34 +25,45 @@ from huggingface_hub import snapshot_download
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from sft.config import ModelConfig
+from sft.config import ModelConfig, UserError
 
-# Wrappers that activation checkpointing and torch.compile insert into parameter names.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+# What activation checkpointing inserts into parameter names (blocks are compiled in place,
+# which adds nothing).
+_AC_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """The model or tokenizer cannot be used as configured; the message names the fix."""
 
 
 def clean_name(name: str) -> str:
     """Parameter/buffer name as in the Hugging Face checkpoint (wrapper prefixes removed)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    return name.replace(_AC_WRAPPER_PREFIX, "")
+
+
+def _missing_local_dir(key: str, path: str) -> ModelError | None:
+    """A clear error for a path that names a local directory that is not there (a hub id is
+    'org/name'; anything else with a slash, or starting with . / ~, is a path)."""
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not Path(path).expanduser().is_dir():
+        return ModelError(f"{key}={path!r}: no such directory; give an existing model directory or a hub id "
+                          "(e.g. Qwen/Qwen2.5-7B-Instruct)")
+    return None
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    source = cfg.tokenizer or cfg.name_or_path
+    key, source = ("model.tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model.name_or_path", cfg.name_or_path)
+    missing = _missing_local_dir(key, source)
+    if missing:
+        raise missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
-        raise ModelError(f"model.tokenizer={source!r}: could not load a tokenizer: {e}") from None
+        raise ModelError(f"{key}={source!r}: could not load a tokenizer: {e}") from None
     if not tokenizer.chat_template:
-        raise ModelError(f"model.tokenizer={source!r} has no chat template; use an instruct model's "
+        raise ModelError(f"{key}={source!r} has no chat template; use an instruct model's "
                          "tokenizer or add chat_template to its tokenizer_config.json")
     if tokenizer.pad_token_id is None:
         # Pads are never attended to by real tokens nor trained, so any id will do.
@@ -62,6 +73,9 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
 
 def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
     """The model with parameters on the meta device (float32) and real float32 buffers."""
+    missing = _missing_local_dir("model.name_or_path", cfg.name_or_path)
+    if missing:
+        raise missing
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
@@ -145,9 +159,9 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
     with torch.no_grad():
         for name, param in model.named_parameters():
             if isinstance(param, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                      param.placements)
-                local = param.to_local()
+                # The public chunk description DCP itself uses: where this rank's shard sits.
+                chunk = param.__create_chunk_list__()[0]
+                shape, offset, local = chunk.sizes, chunk.offsets, param.to_local()
             else:
                 shape, offset, local = param.shape, (0,) * param.dim(), param
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape))

@@ -28,3 +28,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
     return get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_steps),
         num_training_steps=total_steps, min_lr=cfg.min_lr)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip the global gradient norm to `max_norm` (None: only measure it); return the norm
+    before clipping as a plain tensor (FSDP2 gradients give a DTensor)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

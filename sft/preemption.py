@@ -2,12 +2,25 @@
 
 A handler only sets a flag (nothing unsafe happens inside a signal handler). The training loop
 sums the flag over ranks with the step's metrics all-reduce, so every rank sees the request at
-the same step, saves together and exits with REQUEUE_EXIT_CODE (sft/checkpoint.py).
+the same step and leaves the loop there; the shutdown path commits a checkpoint, then writes the
+`stopped` marker (step, signal, time) into the run directory and exits with REQUEUE_EXIT_CODE.
+The marker is what slurm/train.slurm trusts for a requeue: under torchrun the workers' exit code
+does not reach the script (torchrun exits 1 whenever a worker fails).
 """
 
 from __future__ import annotations
 
+import json
 import signal
+import time
+from pathlib import Path
+
+from sft import atomic
+
+# The exit status of a run that stopped on SIGTERM/SIGUSR1 after committing a checkpoint:
+# EX_TEMPFAIL, "try again later".
+REQUEUE_EXIT_CODE = 75
+STOPPED_MARKER = "stopped"
 
 
 class StopRequest:
@@ -22,3 +35,9 @@ class StopRequest:
     @property
     def requested(self) -> bool:
         return self.signal_name is not None
+
+
+def write_stopped_marker(run_dir: Path, step: int, signal_name: str | None) -> None:
+    """After the stop checkpoint is committed: what the requeue logic reads."""
+    atomic.write_file(run_dir / STOPPED_MARKER, json.dumps({"step": step, "signal": signal_name or "another rank's",
+                                                             "time": time.time()}) + "\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,11 +104,12 @@ def summarize_trace(path: Path, top: int = 15) -> str:
 class StepProfiler:
     """Records optimizer steps first..last (inclusive, 1-based; cut at the run's final step) on
     rank 0 with torch.profiler, then writes <out_dir>/trace-rank0.json.gz (chrome://tracing,
-    Perfetto) and summary.txt."""
+    Perfetto) and summary.txt, and hands the summary to `report` (a log function)."""
 
-    def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool):
+    def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool,
+                 report: Callable[[str], None]):
         self.first, self.last = (steps[0], min(steps[1], final_step)) if steps and enabled else (0, -1)
-        self.out_dir = out_dir
+        self.out_dir, self.report = out_dir, report
         self.profiler: torch.profiler.profile | None = None
         self.span: torch.profiler.record_function | None = None
 
@@ -122,13 +124,13 @@ class StepProfiler:
             self.span = torch.profiler.record_function(f"{STEP_SPAN}{step}")
             self.span.__enter__()
 
-    def step_ends(self, step: int) -> str | None:
-        """Close the step; after the last traced step, write the trace and return the summary."""
+    def step_ends(self, step: int) -> None:
+        """Close the step; after the last traced step, write the trace and report the summary."""
         if self.profiler is None:
-            return None
+            return
         self.span.__exit__(None, None, None)
         if step < self.last:
-            return None
+            return
         self.profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / "trace-rank0.json"
@@ -139,7 +141,7 @@ class StepProfiler:
         summary = summarize_trace(trace.with_suffix(".json.gz"))
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         self.profiler = None
-        return summary
+        self.report(f"profile of steps ({self.first}, {self.last}) in {self.out_dir}:\n{summary}")
 
 
 def main() -> None:

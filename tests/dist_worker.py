@@ -59,6 +59,9 @@ def main() -> None:
     p.add_argument("--ac-ratio", type=float, default=0.0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
+    p.add_argument("--reduce-dtype", default="float32")
+    p.add_argument("--zero2", action="store_true", help="fsdp.reshard_after_forward=false")
+    p.add_argument("--deferred-sync", action="store_true", help="fsdp.sync_grads_each_microbatch=false")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     args = p.parse_args()
@@ -82,7 +85,8 @@ def main() -> None:
     else:
         mesh = build_mesh(env.device.type, env.world_size, args.replicate)
         parallelize(model, decoder_blocks(model), mesh, args.ac_ratio, args.compile,
-                    FSDPConfig(param_dtype=args.param_dtype, replicate_degree=args.replicate))
+                    FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate))
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)
@@ -104,7 +108,7 @@ def main() -> None:
         mine = samples[env.rank * per_rank : (env.rank + 1) * per_rank]
         micro = per_rank // args.grad_accum
         batches = [collate(mine[i : i + micro], 0, 4096) for i in range(0, per_rank, micro)]
-        ce_sum, num_tokens = forward_backward(model, batches, env.device)
+        ce_sum, num_tokens = forward_backward(model, batches, env.device, sync_each_microbatch=not args.deferred_sync)
         result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
         named = dict(model.named_parameters())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})

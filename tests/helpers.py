@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from sft.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "configs" / "demo" / "model"
 
@@ -62,5 +64,25 @@ def synthetic_global_batch(num_samples: int = 8, vocab: int = 800, seed: int = 0
     return samples
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def demo_args(data: Path, out: Path, name: str, *overrides: str) -> list[str]:
+    """train.py arguments for the demo config on `data` (train.jsonl + eval.jsonl), run `name`
+    under `out`; later overrides win."""
+    return ["train.py", "--config", "configs/demo.yaml", f"data.path={data / 'train.jsonl'}",
+            f"data.eval_path={data / 'eval.jsonl'}", f"train.output_dir={out}", f"train.run_name={name}",
+            f"data.cache_dir={out / 'cache'}", *overrides]
+
+
+def run_demo(data: Path, out: Path, name: str, *overrides: str, nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
+    """The one launcher of train.py runs in the tests: torchrun on the demo config (see demo_args)."""
+    return run_torchrun(demo_args(data, out, name, *overrides), nproc=nproc, **kwargs)
+
+
+def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad norm) of a run's metrics.jsonl."""
+    steps, _ = read_metrics(run_dir)
+    return {step: (m["loss"], m["grad_norm"]) for step, m in steps.items()}
+
+
+def eval_losses(run_dir: Path) -> list[float]:
+    _, evals = read_metrics(run_dir)
+    return [evals[step] for step in sorted(evals)]

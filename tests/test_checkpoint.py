@@ -10,26 +10,22 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, read_metrics, run_torchrun
-from sft.checkpoint import REQUEUE_EXIT_CODE
+from helpers import REPO, demo_args, eval_losses, run_demo, run_torchrun, train_losses as train_steps
+from sft.preemption import REQUEUE_EXIT_CODE
+
+pytestmark = pytest.mark.slow
 
 
 def demo(data, out, name, *overrides):
-    return ["train.py", "--config", "configs/demo.yaml", f"data.path={data / 'train.jsonl'}",
-            f"data.eval_path={data / 'eval.jsonl'}", f"train.output_dir={out}", f"train.run_name={name}",
-            f"data.cache_dir={out / 'cache'}", "eval.every_steps=0", *overrides]
-
-
-def train_steps(run_dir) -> dict[int, tuple[float, float]]:
-    return {m["step"]: (m["loss"], m["grad_norm"]) for m in read_metrics(run_dir) if "loss" in m}
+    return demo_args(data, out, name, "eval.every_steps=0", *overrides)
 
 
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory, demo_data):
     """6 steps on 2 ranks, checkpoints at 3 and 6, data shuffled (fp32)."""
     out = tmp_path_factory.mktemp("ckpt")
-    run_torchrun(demo(demo_data, out, "continuous", "train.max_steps=6", "checkpoint.every_steps=3",
-                      "train.micro_batch_size=4"), nproc=2)
+    run_demo(demo_data, out, "continuous", "eval.every_steps=0", "train.max_steps=6", "checkpoint.every_steps=3",
+             "train.micro_batch_size=4", nproc=2)
     return out
 
 
@@ -37,8 +33,8 @@ def resume_from_step3(continuous, demo_data, name, nproc, *overrides):
     target = continuous / name / "checkpoints"
     target.mkdir(parents=True)
     shutil.copytree(continuous / "continuous" / "checkpoints" / "step-3", target / "step-3")
-    proc = run_torchrun(demo(demo_data, continuous, name, "train.max_steps=6", "checkpoint.every_steps=3",
-                             *overrides), nproc=nproc)
+    proc = run_demo(demo_data, continuous, name, "eval.every_steps=0", "train.max_steps=6",
+                    "checkpoint.every_steps=3", *overrides, nproc=nproc)
     assert f"resumed from {target / 'step-3'} (step 3, saved by 2 ranks) in" in proc.stdout
     return train_steps(continuous / name)
 
@@ -71,7 +67,8 @@ def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data)
     (run / "checkpoints" / "step-9.tmp" / "__0_0.distcp").write_bytes(b"partial")
     shard = next((run / "checkpoints" / "step-6").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])
-    proc = run_torchrun(demo(demo_data, continuous, "damaged", "train.max_steps=6", "train.micro_batch_size=4"), 2)
+    proc = run_demo(demo_data, continuous, "damaged", "eval.every_steps=0", "train.max_steps=6",
+                    "train.micro_batch_size=4", nproc=2)
     assert "skipping" in proc.stdout and "is missing or truncated" in proc.stdout
     assert "resumed from" in proc.stdout and "step-3 (step 3" in proc.stdout
     assert sorted(train_steps(run)) == [4, 5, 6]
@@ -110,7 +107,7 @@ def test_sigterm_commits_a_checkpoint_and_asks_for_requeue(tmp_path, demo_data):
     assert proc.returncode != 0  # torchrun reports the stop as a failure, never as success
 
     # The requeued job (same command) continues where it stopped.
-    rerun = run_torchrun(demo(demo_data, tmp_path, "preempted", f"train.max_steps={step + 2}"), 2)
+    rerun = run_demo(demo_data, tmp_path, "preempted", "eval.every_steps=0", f"train.max_steps={step + 2}", nproc=2)
     assert f"(step {step}, saved by 2 ranks)" in rerun.stdout
     assert sorted(s for s in train_steps(tmp_path / "preempted") if s > step) == [step + 1, step + 2]
 
@@ -144,7 +141,7 @@ def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data
     args = demo(demo_data, tmp_path, "exported", "train.max_steps=5", "checkpoint.export_hf=true",
                 "checkpoint.export_dtype=float32", f"model.name_or_path={model_dir}")
     run_torchrun(args, nproc=2)
-    final_eval = [m["eval_loss"] for m in read_metrics(tmp_path / "exported") if "eval_loss" in m][-1]
+    final_eval = eval_losses(tmp_path / "exported")[-1]
     shutil.rmtree(model_dir)
     again = tmp_path / "again"
     subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "exported" / "checkpoints" / "step-5"),
@@ -170,12 +167,12 @@ def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
     """The first run writes the loaded fp32 model as DCP; a later run (other seed, other world
     size) starts from it: same initial eval loss although its own random init would differ."""
     cache = tmp_path / "prepared"
-    first = run_torchrun(demo(demo_data, tmp_path, "first", "train.max_steps=1", f"model.prepared_cache={cache}"), 2)
+    first = run_demo(demo_data, tmp_path, "first", "train.max_steps=1", f"model.prepared_cache={cache}", nproc=2)
     assert f"wrote the prepared-model cache {cache}" in first.stdout and (cache / ".metadata").is_file()
-    second = run_torchrun(demo(demo_data, tmp_path, "second", "train.max_steps=1", "train.seed=7",
-                               f"model.prepared_cache={cache}"), 1)
+    second = run_demo(demo_data, tmp_path, "second", "train.max_steps=1", "train.seed=7",
+                      f"model.prepared_cache={cache}")
     assert f"loaded the prepared-model cache {cache}" in second.stdout
-    initial = [[m["eval_loss"] for m in read_metrics(tmp_path / run) if "eval_loss" in m][0] for run in ("first", "second")]
+    initial = [eval_losses(tmp_path / run)[0] for run in ("first", "second")]
     assert initial[1] == pytest.approx(initial[0], rel=1e-6)
-    run_torchrun(demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7"), 1)
-    assert [m["eval_loss"] for m in read_metrics(tmp_path / "fresh") if "eval_loss" in m][0] != initial[0]
+    run_demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7")
+    assert eval_losses(tmp_path / "fresh")[0] != initial[0]

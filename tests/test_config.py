@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from helpers import REPO
-from sft.config import ConfigError, load_config, reference_markdown, to_yaml
+from sft.config import README_MARKERS, ConfigError, load_config, reference_markdown, to_yaml
 
 
 def write(tmp_path: Path, tree: dict) -> Path:
@@ -60,6 +60,13 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(write(tmp_path, base(tmp_path)), ["optim.betas=[0.9, 0.99]"])
     again = write(tmp_path, yaml.safe_load(to_yaml(cfg)))
     assert load_config(again) == cfg
+
+
+def test_readme_config_reference_is_current():
+    """`python -m sft.config --readme README.md` regenerates it; this fails until someone does."""
+    readme = (REPO / "README.md").read_text()
+    start, end = README_MARKERS
+    assert readme.split(start)[1].split(end)[0] == reference_markdown()
 
 
 def test_reference_documents_every_key():

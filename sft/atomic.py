@@ -1,0 +1,86 @@
+"""Durable, atomic writes: a file or directory either exists complete or not at all.
+
+Every write that matters (checkpoints, `latest`, the prepared-model cache, exports, markers)
+goes through here: write to a temporary name, fsync the data, rename, fsync the parent
+directory. Without the fsyncs a node crash shortly after the rename can leave an empty or
+truncated file under the final name, which is exactly what a resume must never find.
+
+Permissions follow the process umask (0644-style under the usual 022): some writers
+(safetensors since 0.4) create 0600 files, which a colleague in the same cluster group could
+not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_durable(tree: Path) -> None:
+    """Give every file and directory under `tree` (and `tree`) umask permissions and fsync them."""
+    mask = _umask()
+    for root, dirs, files in os.walk(tree):
+        for name in files:
+            path = Path(root, name)
+            path.chmod(0o666 & ~mask)
+            _fsync(path)
+        for name in dirs:
+            Path(root, name).chmod(0o777 & ~mask)
+        _fsync(Path(root))
+    tree.chmod(0o777 & ~mask)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Make `tmp` (a file or a directory) durable and rename it to `final`, replacing a previous
+    `final` only at that moment; then fsync the parent so the rename itself survives a crash."""
+    if tmp.is_dir():
+        make_durable(tmp)
+    else:
+        tmp.chmod(0o666 & ~_umask())
+        _fsync(tmp)
+    if final.is_dir() and tmp.is_dir():
+        # A directory cannot be renamed over a non-empty one: move the old one aside first, so
+        # that at every instant one complete version exists under either name.
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(final.parent)
+
+
+def write_file(path: Path, data: str | bytes) -> None:
+    """Write `path` atomically and durably."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    commit(tmp, path)
+
+
+@contextlib.contextmanager
+def directory(final: Path) -> Iterator[Path]:
+    """Yield `<final>.tmp` to write into; commit it as `final` only if the block succeeds, so an
+    interrupted write never leaves a complete-looking directory behind."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    commit(tmp, final)

@@ -1,0 +1,116 @@
+"""The run directory `<train.output_dir>/<train.run_name>/`: one launch at a time, and committed
+state that only a run which has proven it can start may change.
+
+    RunDirectory(cfg, env).open()    lock it, decide the resume point (nothing is written)
+    ... data, model, weights and the resume checkpoint are loaded ...
+    run.start()                      ready to train: only now is anything in the directory changed
+    run.finish()                     the `finished` marker
+
+* Lock: rank 0 holds an advisory lock (`<output_dir>/.<run_name>.lock`, flock) for the run's
+  life. A second launch of the same run (a double sbatch, a requeue racing a manual rerun) stops
+  with the holder's host, PID and job id. The kernel drops the lock when the holder dies, so a
+  lock left by a killed run never blocks the next one.
+* A failing start leaves no trace: the directory is created by `start()`, after the config,
+  data, model and resume checkpoint were all validated.
+* `train.overwrite` on a finished run moves the old run's files into `<run>/overwritten/` at
+  `start()` and deletes them only when the new run finishes, so a rerun that fails midway never
+  costs the previous result. Resuming from one of the run's own checkpoints (to train further)
+  continues the run instead: nothing is moved.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from sft import atomic
+from sft.config import Config, ConfigError, to_yaml
+from sft.distributed import DistEnv, decided_on_rank0, log0
+from sft.preemption import STOPPED_MARKER
+
+FINISHED = "finished"
+OVERWRITTEN = "overwritten"
+# What a run writes at its top level (besides the checkpoints): moved aside together on overwrite.
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "profile", "curves.png", FINISHED,
+              STOPPED_MARKER)
+
+
+class RunDirectory:
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.cfg, self.env, self.path = cfg, env, cfg.run_dir
+        self.checkpoints = self.path / "checkpoints"
+        self._lock_fd: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return (self.path / FINISHED).exists()
+
+    def open(self) -> None:
+        """Collective: lock the run directory (rank 0) and check that this run may use it."""
+        decided_on_rank0(self._lock_and_check)
+
+    def _lock_and_check(self) -> None:
+        parent = self.path.parent
+        lock = parent / f".{self.path.name}.lock"
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise ConfigError(f"train.output_dir={str(parent)!r}: cannot write there ({e.strerror}); "
+                              "choose a writable train.output_dir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"{self.path} is in use by another launch ({holder}); wait for it to end, or set "
+                              "another train.run_name") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, "
+                     f"Slurm job {os.environ.get('SLURM_JOB_ID', '-')}\n".encode())
+        self._lock_fd = fd  # held until the process exits
+        if self.path.exists() and not os.access(self.path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{self.path} is not writable; fix its permissions or set another train.run_name")
+        if self.finished and not self.cfg.train.overwrite and not self._continues_own_checkpoint():
+            raise ConfigError(f"{self.path} holds a finished run; set train.overwrite=true (the old run is kept "
+                              "until the new one finishes), another train.run_name, or "
+                              "checkpoint.resume=<one of its checkpoints> to train it further")
+
+    def _continues_own_checkpoint(self) -> bool:
+        resume = self.cfg.checkpoint.resume
+        return resume not in ("auto", "none") and Path(resume).resolve().parent == self.checkpoints.resolve()
+
+    def resume_auto(self) -> bool:
+        """Whether `checkpoint.resume: auto` should look for this run's own checkpoints: not when
+        the finished run is about to be overwritten (that starts fresh)."""
+        return self.cfg.checkpoint.resume == "auto" and not self.finished
+
+    def start(self) -> None:
+        """Collective, once everything is loaded: make the directory this run's own."""
+        if self.env.is_main:
+            if self.finished and not self._continues_own_checkpoint():
+                self._move_aside()
+            (self.path / FINISHED).unlink(missing_ok=True)
+            (self.path / STOPPED_MARKER).unlink(missing_ok=True)  # a requeued run is running again
+            self.path.mkdir(parents=True, exist_ok=True)
+            atomic.write_file(self.path / "config.yaml", to_yaml(self.cfg))
+            log0(f"run directory {self.path}; resolved config:\n{to_yaml(self.cfg)}")
+        decided_on_rank0(lambda: None)  # every rank waits until the directory is ready
+
+    def _move_aside(self) -> None:
+        old = self.path / OVERWRITTEN
+        shutil.rmtree(old, ignore_errors=True)  # a run overwritten twice: the older one goes
+        old.mkdir()
+        for name in _RUN_FILES:
+            if (self.path / name).exists():
+                os.replace(self.path / name, old / name)
+        log0(f"train.overwrite: the finished run in {self.path} was moved to {old}; it is deleted when this run "
+             "finishes")
+
+    def finish(self) -> None:
+        """Rank 0: mark the run finished; only now drop the run it overwrote."""
+        atomic.write_file(self.path / FINISHED, "")
+        shutil.rmtree(self.path / OVERWRITTEN, ignore_errors=True)

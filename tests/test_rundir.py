@@ -1,0 +1,213 @@
+"""Nothing lost: overwrite, resume, damaged checkpoints, a second launch, unwritable or full disks.
+
+Each case checks that the last committed state survives and that the user gets one clear line.
+Under torchrun a failed run exits 1 whatever the worker's code (train.py itself exits 2) and
+torchrun prints its own ChildFailedError summary, so the launches here check the worker's
+output: one `error:` line and no traceback from train.py.
+"""
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, demo_args, eval_losses, run_demo, run_torchrun, train_losses
+from sft.checkpoint import checkpoint_problem
+
+pytestmark = pytest.mark.slow
+
+
+def one_clear_error(proc) -> str:
+    """The single `error:` line of a failed launch (and no traceback through train.py)."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert 'train.py", line' not in proc.stderr, proc.stderr[-3000:]
+    return errors[0]
+
+
+def snapshot(run_dir):
+    """Every file of a run directory with its bytes (what must survive a failed rerun)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, demo_data):
+    """A finished 2-step run with a checkpoint at every step and an export."""
+    out = tmp_path_factory.mktemp("rundir")
+    run_demo(demo_data, out, "done", "train.max_steps=2", "checkpoint.every_steps=1", "eval.every_steps=0",
+             "train.overwrite=false")
+    return out
+
+
+def copy_run(finished, name):
+    shutil.copytree(finished / "done", finished / name)
+    return finished / name
+
+
+def test_overwrite_that_fails_to_start_keeps_the_previous_run(finished, demo_data, tmp_path):
+    run = copy_run(finished, "failing")
+    before = snapshot(run)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')  # no assistant turn: nothing to train
+    proc = run_demo(demo_data, finished, "failing", "train.overwrite=true", f"data.path={bad}", check=False)
+    assert "every train sample was dropped" in one_clear_error(proc)
+    assert snapshot(run) == before
+
+
+def test_overwrite_keeps_the_old_run_until_the_new_one_finishes(finished, demo_data):
+    run = copy_run(finished, "overwritten")
+    old_loss = train_losses(run)
+    run_demo(demo_data, finished, "overwritten", "train.overwrite=true", "train.max_steps=3", "train.seed=5",
+             "eval.every_steps=0")
+    assert not (run / "overwritten").exists() and (run / "finished").exists()
+    assert sorted(train_losses(run)) == [1, 2, 3] and train_losses(run)[1] != old_loss[1]
+    assert (run / "checkpoints" / "latest").read_text() == "step-3\n"
+
+
+def test_resuming_a_finished_runs_own_checkpoint_continues_it(finished, demo_data):
+    run = copy_run(finished, "continued")
+    proc = run_demo(demo_data, finished, "continued", "train.overwrite=true", "train.max_steps=4",
+                    f"checkpoint.resume={run / 'checkpoints' / 'step-2'}", "eval.every_steps=0")
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} (step 2" in proc.stdout
+    assert sorted(train_losses(run)) == [1, 2, 3, 4]  # the same run, two more steps
+    assert (run / "finished").exists() and (run / "checkpoints" / "latest").read_text() == "step-4\n"
+    # The closing line compares with the run's first eval, which a resume does not recompute.
+    assert f"eval loss {eval_losses(run)[0]:.4f} ->" in proc.stdout
+    assert "step 2: eval loss" not in proc.stdout  # no extra full eval at the resume step
+
+
+def test_a_finished_run_is_not_rerun_by_accident(finished, demo_data):
+    proc = run_demo(demo_data, finished, "done", "train.max_steps=2", "train.overwrite=false", check=False)
+    assert "holds a finished run; set train.overwrite=true" in one_clear_error(proc)
+
+
+@pytest.mark.parametrize("damage", ["train_state.json", "scheduler.pt", "rng-rank0.pt", "config.yaml"])
+def test_damaged_files_of_a_committed_checkpoint_are_detected(finished, damage):
+    step = finished / "damaged" / damage
+    shutil.copytree(finished / "done" / "checkpoints" / "step-2", step)
+    assert checkpoint_problem(step) is None
+    (step / damage).write_bytes(b"")  # what a crash before fsync can leave
+    assert checkpoint_problem(step).startswith(f"unreadable {damage} (")
+    (step / damage).write_bytes(b"\x00garbage")
+    assert checkpoint_problem(step).startswith(f"unreadable {damage}")
+
+
+def test_resume_skips_a_damaged_checkpoint_and_ignores_a_garbage_latest(finished, demo_data):
+    run = copy_run(finished, "skip")
+    (run / "finished").unlink()  # as if it had been interrupted after step 2
+    (run / "checkpoints" / "step-2" / "train_state.json").write_text("")
+    (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe garbage")
+    proc = run_demo(demo_data, finished, "skip", "train.max_steps=3", "eval.every_steps=0")
+    assert "skipping" in proc.stdout and "unreadable train_state.json" in proc.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-1'} (step 1" in proc.stdout
+    assert (run / "checkpoints" / "latest").read_text() == "step-3\n"
+
+
+def test_resume_takes_the_newest_complete_checkpoint_whatever_latest_says(finished, demo_data):
+    run = copy_run(finished, "newest")
+    (run / "finished").unlink()
+    (run / "checkpoints" / "latest").write_text("step-1\n")  # stale: step-2 was committed after it
+    proc = run_demo(demo_data, finished, "newest", "train.max_steps=3", "eval.every_steps=0")
+    assert f"resumed from {run / 'checkpoints' / 'step-2'} (step 2" in proc.stdout
+
+
+def test_resuming_into_another_architecture_is_one_clear_error(finished, demo_data, tmp_path):
+    from helpers import model_dir
+
+    other = model_dir(tmp_path, tied=True, num_hidden_layers=3)
+    proc = run_demo(demo_data, tmp_path, "other", f"model.name_or_path={other}",
+                    f"checkpoint.resume={finished / 'done' / 'checkpoints' / 'step-2'}", check=False)
+    error = one_clear_error(proc)
+    assert "was written for another model" in error and "checkpoint.resume=none" in error
+
+
+def test_exports_and_checkpoints_are_readable_by_the_group(finished):
+    run = finished / "done"
+    assert os.umask(0o022) == 0o022  # the usual umask, under which files must come out 0644
+    for path in [*(run / "export").iterdir(), *(run / "checkpoints" / "step-2").iterdir()]:
+        if path.is_file():
+            assert path.stat().st_mode & 0o777 == 0o644, path
+
+
+def test_a_second_launch_of_a_running_run_refuses(tmp_path, demo_data):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           *demo_args(demo_data, tmp_path, "busy", "train.max_steps=1000", "eval.every_steps=0")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "busy" / "metrics.jsonl"
+        deadline = time.time() + 240
+        while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = run_demo(demo_data, tmp_path, "busy", "train.max_steps=1000", check=False)
+        error = one_clear_error(second)
+        assert "is in use by another launch (host " in error
+        assert "Slurm job" in error and "another train.run_name" in error
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert (tmp_path / "busy" / "checkpoints" / "latest").is_file()  # the first run was not disturbed
+
+
+@pytest.mark.parametrize("output_dir, message", [
+    ("a_file/runs", "cannot write there (Not a directory); choose a writable train.output_dir"),
+])
+def test_unwritable_output_dir_is_one_clear_line(tmp_path, demo_data, output_dir, message):
+    (tmp_path / "a_file").write_text("not a directory")
+    proc = run_demo(demo_data, tmp_path, "x", f"train.output_dir={tmp_path / output_dir}", check=False)
+    assert message in one_clear_error(proc)
+
+
+def test_config_errors_under_torchrun_are_reported_once(tmp_path, demo_data):
+    proc = run_torchrun(demo_args(demo_data, tmp_path, "x", "ac.ratio=2"), nproc=2, check=False)
+    assert one_clear_error(proc).startswith("error: invalid config (configs/demo.yaml with overrides")
+    assert "ac.ratio=2.0: must be in [0, 1]" in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """In-process, world of one: the DCP write raises ENOSPC as a full disk would."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from sft.checkpoint import Checkpointer, CheckpointError
+    from sft.config import load_config
+    from sft.distributed import _free_port, init_distributed
+    from sft.model import build_meta_model, load_tokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    # A world of one in this process (the variables are restored after the test).
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null",
+                                                        f"train.output_dir={tmp_path}"])
+    env = init_distributed()
+    try:
+        model = build_meta_model(cfg.model).to_empty(device="cpu")
+        optimizer = torch.optim.AdamW(model.parameters())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), env)
+        state = {"tokens_seen": 0, "global_batch": 1, "world_size": 1}
+        first = ckpt.save(1, model, optimizer, scheduler, state)
+        before = snapshot(first)
+
+        def full_disk(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(dcp, "save", full_disk)
+        with pytest.raises(CheckpointError) as err:
+            ckpt.save(2, model, optimizer, scheduler, state)
+        assert str(err.value).startswith(f"saving {ckpt.root / 'step-2'} failed (no space left on {ckpt.root}); "
+                                         f"the previous checkpoint {first} is intact")
+        assert snapshot(first) == before and not (ckpt.root / "step-2.tmp").exists()
+        assert not (ckpt.root / "step-2").exists() and (ckpt.root / "latest").read_text() == "step-1\n"
+    finally:
+        dist.destroy_process_group()
