@@ -86,6 +86,14 @@ def test_auto_plan_keeps_the_global_batch_and_fits(tmp_path):
     assert tight.ac.ratio > cfg.ac.ratio or tight.train.micro_batch_size < cfg.train.micro_batch_size
 
 
+def test_offload_predictions_match_the_measured_run(shapes):
+    # Qwen2.5-0.5B, 1 x H100, 2 x 4096 tokens, ac 0, compiled (docs/BENCHMARKS.md "With fsdp.cpu_offload"):
+    # GPU peak 11.34 GiB; host in use at the end 12.7 GiB more than before the start.
+    s = shapes["qwen2.5-0.5b"]
+    assert peak_bytes(s, 1, 8192, 4096, 0.0, True, cpu_offload=True) / GIB == pytest.approx(11.34, rel=0.10)
+    assert host_bytes_per_rank(s, 1) / GIB == pytest.approx(12.7, rel=0.10)
+
+
 def test_offload_drops_the_sharded_state_from_the_gpu(qwen7b):
     # P-7B at ac 0: the end of forward is the peak either way, and offload replaces the 12 bytes
     # per parameter of sharded state by two blocks' fp32 shards in flight.
