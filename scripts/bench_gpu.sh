@@ -161,7 +161,7 @@ RUNS
       p7b_data
       GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
       HOST_GIB=$(awk '/^MemTotal:/{print $2 / 1048576}' /proc/meminfo)
-      RUN_TIMEOUT=${RUN_TIMEOUT:-150} offload_run offload-p7b train.max_steps=8
+      RUN_TIMEOUT=${RUN_TIMEOUT:-120} offload_run offload-p7b train.max_steps=8
       # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
       read -r MB RATIO < <(python3 -c "
 from sft.config import load_config
@@ -172,7 +172,7 @@ s = Shapes.of(build_meta_model(cfg.model))
 mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if predict_gib(s, cfg, $NGPU, mb, r) <= $GPU_GIB)
 print(mb, -r)")
       echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
-      RUN_TIMEOUT=${RUN_TIMEOUT:-150} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
+      RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
         train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;

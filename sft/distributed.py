@@ -39,7 +39,7 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
     With fsdp.cpu_offload the gradients are host DTensors, so the grad-norm all-reduce runs on CPU
     tensors and needs a CPU backend ("No backend type associated with device type cpu" otherwise).
     Gloo is added only then: it costs a full TCP mesh between all ranks at start-up, and with a CPU
-    backend in the group, object collectives and barriers (checkpoint commits) move to gloo.
+    backend in the group, object collectives (broadcast_object_list, gather_object) move to gloo.
     """
     if device_type != "cuda":
         return "gloo"
