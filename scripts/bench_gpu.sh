@@ -12,6 +12,8 @@
 #   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
 #   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
 #   ckpt14b   14B checkpoint save / resume / HF export times
+#   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows;
+#             measured GPU peak, host memory (per rank, node) and tok/s next to the planner's prediction
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -45,6 +47,29 @@ hf_checkpoint() {  # hf_checkpoint SHAPES DIR: a random bf16 Hugging Face checkp
   local t0=$SECONDS
   python3 scripts/save_random_checkpoint.py "$1" "$2" --device cuda
   echo "saved $2 in $((SECONDS - t0)) s"; du -sh "$2"
+}
+
+node_used_gib() {  # host memory in use on this node (MemTotal - MemAvailable; counts pinned memory too)
+  awk '/^MemTotal:/{t=$2} /^MemAvailable:/{a=$2} END{printf "%.1f\n", (t-a)/1048576}' /proc/meminfo
+}
+
+offload_run() {  # offload_run NAME OVERRIDES...: P-7B config + fsdp.cpu_offload, measured next to `python -m sft.plan`
+  local name=$1; shift
+  local before; before=$(node_used_gib)
+  ( while :; do node_used_gib; sleep 0.5; done ) >"$LOGS/$name.host_used" &
+  local sampler=$!
+  (  # torchrun sets OMP_NUM_THREADS=1 per rank: the AdamW step on the host would use one core
+    export OMP_NUM_THREADS=$(($(nproc) / NGPU))
+    train "$name" configs/bench/p7b.yaml fsdp.cpu_offload=true "$@"
+  )
+  kill $sampler
+  python3 scripts/bench_summary.py "runs/bench/$name/" --warmup 4
+  python3 -c "import sys; from pathlib import Path; from sft.metrics import read_metrics
+print('host peak RSS per rank after loading (GiB):', read_metrics(Path(sys.argv[1]))[0][1]['host_peak_rss_gib_per_rank'])" \
+    "runs/bench/$name"
+  echo "node host memory in use: $before GiB before, $(sort -n "$LOGS/$name.host_used" | tail -1) GiB peak during the run"
+  python3 -m sft.plan --config configs/bench/p7b.yaml --gpus "$NGPU" --gpu-mem "$GPU_GIB" --host-mem "$HOST_GIB" \
+    --gpus-per-node "$NGPU" fsdp.cpu_offload=true "$@" | grep -E "^this config|^host"
 }
 
 for stage in "$@"; do
@@ -132,6 +157,23 @@ RUNS
       rm -rf /tmp/qwen2.5-14b-random  # room for the export
       t0=$SECONDS; python3 -m sft.export runs/bench/s14b-ckpt/checkpoints/step-3 runs/bench/s14b-export
       echo "exported in $((SECONDS - t0)) s"; du -sh runs/bench/s14b-export; rm -rf runs/bench/s14b-ckpt/checkpoints runs/bench/s14b-export ;;
+    offload)  # P-7B (~8 steps) and Qwen2.5-14B shapes (random init) with fsdp.cpu_offload=true, ~4 min
+      p7b_data
+      GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
+      HOST_GIB=$(awk '/^MemTotal:/{print $2 / 1048576}' /proc/meminfo)
+      RUN_TIMEOUT=${RUN_TIMEOUT:-120} offload_run offload-p7b train.max_steps=8
+      # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
+      read -r MB RATIO < <(python3 -c "
+from sft.config import load_config
+from sft.model import build_meta_model
+from sft.plan import MICRO_BATCHES, RATIOS, Shapes, predict_gib
+cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/qwen2.5-14b', 'fsdp.cpu_offload=true'])
+s = Shapes.of(build_meta_model(cfg.model))
+mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if predict_gib(s, cfg, $NGPU, mb, r) <= $GPU_GIB)
+print(mb, -r)")
+      echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
+      RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
+        train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -37,8 +37,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> DistEnv:
-    """Join the torchrun world (or create a world of one); NCCL on GPUs, gloo on CPU."""
+def process_group_backend(device_type: str, cpu_offload: bool) -> str:
+    """NCCL on GPUs, gloo on CPU; with CPU offload also gloo for the host tensors on GPUs.
+
+    With fsdp.cpu_offload the gradients are host DTensors, so the grad-norm all-reduce runs on CPU
+    tensors and needs a CPU backend ("No backend type associated with device type cpu" otherwise).
+    Gloo is added only then: it costs a full TCP mesh between all ranks at start-up, and with a CPU
+    backend in the group, object collectives (broadcast_object_list, gather_object) move to gloo.
+    """
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+
+
+def init_distributed(cpu_offload: bool = False) -> DistEnv:
+    """Join the torchrun world (or create a world of one); see process_group_backend."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -53,10 +66,10 @@ def init_distributed() -> DistEnv:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    dist.init_process_group(process_group_backend(device.type, cpu_offload),
+                            device_id=device if device.type == "cuda" else None)
     return DistEnv(rank, local_rank, world_size, device)
 
 

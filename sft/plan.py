@@ -14,11 +14,20 @@ The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager 
 tensors an RMSNorm/attention/SwiGLU block saves), and 0.7 of that compiled (fusion saves fewer
 intermediates), fitted on Qwen2.5-7B shapes; docs/BENCHMARKS.md "Memory planner" compares the
 predictions with 18 measured peaks (0.5B-14B). Other architectures are estimates: leave a margin.
+
+With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
+shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
+reduce-scatter output before its copy out). The host of each node holds, per GPU, the fp32 shards
+of the parameters and gradients in pinned memory (PyTorch's pinned allocator rounds each to a power
+of two), both Adam moments (8 bytes per parameter) and the process itself (HOST_PROCESS_GIB):
+about 16 bytes x parameters x GPUs-per-node / shard ranks, plus the rounding and the processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from dataclasses import dataclass
 
 from torch import nn
@@ -26,10 +35,15 @@ from torch import nn
 from sft.config import Config, ConfigError, load_config
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import build_meta_model, decoder_blocks
+from sft.parallel import ac_block_indices
 
 GIB = 2**30
 COMPILED_ACTIVATION_FACTOR = 0.7
 ALLOCATOR_SLACK = 1.05
+# One rank's own host footprint (CUDA context, libraries, Python): 1.8 GiB RSS per rank measured
+# after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
+HOST_PROCESS_GIB = 2.0
+DEFAULT_GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,7 @@ class Shapes:
     ffn: int
     kv_dim: int
     vocab: int
+    param_shapes: tuple[tuple[int, ...], ...]  # each parameter once (a tied one once)
 
     @classmethod
     def of(cls, model: nn.Module) -> Shapes:
@@ -50,11 +65,12 @@ class Shapes:
         block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
-                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim, text.vocab_size)
+                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim, text.vocab_size,
+                   tuple(tuple(p.shape) for p in model.parameters()))
 
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
-               reshard_after_forward: bool = True, grad_accum: int = 1) -> float:
+               reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
@@ -63,7 +79,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if compiled:
         per_token_layer *= COMPILED_ACTIVATION_FACTOR
-    checkpointed = round(ac_ratio * s.layers)
+    checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
         activations += tokens * per_token_layer  # the block being recomputed
@@ -73,9 +89,64 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # sharded gradients only from the second micro-batch of a step on: they are set to None after
     # each step) and the end of backward (all sharded gradients alive, one block's unsharded float32
     # gradients being reduced, activations gone).
-    end_of_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks + gathered + activations + loss
-    end_of_backward = 16 * s.params / shard_ranks + gathered + 4 * s.block_params + tokens * per_token_layer
+    # With CPU offload the sharded state is on the host; the GPU holds only the fp32 shards of the
+    # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
+    if cpu_offload:
+        state_in_forward = state_in_backward = 2 * 4 * s.block_params / shard_ranks
+    else:
+        state_in_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks
+        state_in_backward = 16 * s.params / shard_ranks
+    end_of_forward = state_in_forward + gathered + activations + loss
+    end_of_backward = state_in_backward + gathered + 4 * s.block_params + tokens * per_token_layer
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
+
+
+def host_bytes_per_rank(s: Shapes, shard_ranks: int) -> float:
+    """Host bytes one rank holds with fsdp.cpu_offload (see the module docstring)."""
+    # FSDP2 shards dim 0, padded to a multiple of the shard ranks.
+    shards = [math.ceil(shape[0] / shard_ranks) * math.prod(shape[1:]) for shape in s.param_shapes]
+    # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
+    # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
+    pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
+    return pinned + 8 * sum(shards) + HOST_PROCESS_GIB * GIB
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run plans for: GPUs in all, GiB per GPU, host GiB and GPUs per node."""
+    gpus: int
+    gpu_mem_gib: float
+    host_mem_gib: float
+    gpus_per_node: int
+
+    @classmethod
+    def of(cls, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+           gpus_per_node: int | None = None) -> Machine:
+        """Defaults: the host memory of this machine (right when it is one of the job's nodes),
+        and min(gpus, 8) GPUs per node."""
+        return cls(gpus, gpu_mem_gib, host_mem_gib or this_machine_mem_gib(),
+                   gpus_per_node or min(gpus, DEFAULT_GPUS_PER_NODE))
+
+
+def this_machine_mem_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
+    """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
+    return min(m.gpus, m.gpus_per_node) * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree) / GIB
+
+
+def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
+    """Why the host side of fsdp.cpu_offload does not fit the node, or None (also without offload)."""
+    if not cfg.fsdp.cpu_offload:
+        return None
+    need = host_gib_per_node(s, cfg, m)
+    if need <= m.host_mem_gib:
+        return None
+    return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({min(m.gpus, m.gpus_per_node)} GPUs "
+            f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node, or "
+            "fsdp.cpu_offload=false")
 
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -88,63 +159,85 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     tokens = micro_batch * cfg.data.max_seq_len
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
-                      cfg.fsdp.reshard_after_forward, grad_accum) / GIB
+                      cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload) / GIB
 
 
-def suggest(s: Shapes, cfg: Config, gpus: int, gpu_mem_gib: float) -> tuple[float, int, int] | None:
+def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, int, int] | None:
     """(ac.ratio, micro_batch_size, grad_accum_steps) that fits and keeps the global batch: the least
-    recomputation first (it costs ~8% per 0.5 of ratio on 7B), then the largest micro-batch."""
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * gpus
+    recomputation first (it costs ~8% per 0.5 of ratio on 7B), then the largest micro-batch. None
+    if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
+    if host_problem(s, cfg, m):
+        return None
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * m.gpus
     fits = [(ratio, -micro) for micro in MICRO_BATCHES for ratio in RATIOS
-            if global_batch % (micro * gpus) == 0 and predict_gib(s, cfg, gpus, micro, ratio) <= gpu_mem_gib]
+            if global_batch % (micro * m.gpus) == 0 and predict_gib(s, cfg, m.gpus, micro, ratio) <= m.gpu_mem_gib]
     if not fits:
         return None
     ratio, micro = min(fits)
-    return ratio, -micro, global_batch // (-micro * gpus)
+    return ratio, -micro, global_batch // (-micro * m.gpus)
 
 
-def plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
+def _nothing_fits(cfg: Config, m: Machine) -> str:
+    offload = "" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, "
+    return f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}or a shorter data.max_seq_len"
+
+
+def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
     s = Shapes.of(build_meta_model(cfg.model))
-    lines = [f"{cfg.model.name_or_path}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {gpus} GPUs "
-             f"({gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
-             f"budget {gpu_mem_gib:.0f} GiB/GPU", "",
+    lines = [f"{cfg.model.name_or_path}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {m.gpus} GPUs "
+             f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
+             f"budget {m.gpu_mem_gib:.0f} GiB/GPU"
+             + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
              "| micro-batch | " + " | ".join(f"ac {r:g}" for r in RATIOS) + " |", "|---" * (len(RATIOS) + 1) + "|"]
     for micro in MICRO_BATCHES:
-        cells = [predict_gib(s, cfg, gpus, micro, ratio) for ratio in RATIOS]
-        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + (" ✗" if g > gpu_mem_gib else "") for g in cells) + " |")
-    current = predict_gib(s, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio)
+        cells = [predict_gib(s, cfg, m.gpus, micro, ratio) for ratio in RATIOS]
+        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + (" ✗" if g > m.gpu_mem_gib else "") for g in cells) + " |")
+    current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio)
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
-                  f"{current:.1f} GiB predicted" + (" — does NOT fit" if current > gpu_mem_gib else " — fits")]
-    choice = suggest(s, cfg, gpus, gpu_mem_gib)
+                  f"{current:.1f} GiB per GPU predicted" + (" — does NOT fit" if current > m.gpu_mem_gib else " — fits")]
+    if cfg.fsdp.cpu_offload:
+        per_rank = host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree) / GIB
+        need = host_gib_per_node(s, cfg, m)
+        lines.append(f"host (fsdp.cpu_offload): {need:.1f} GiB per node predicted ({min(m.gpus, m.gpus_per_node)} GPUs "
+                     f"per node x {per_rank:.1f} GiB: fp32 params + grads pinned, Adam moments, the process) for "
+                     f"{m.host_mem_gib:.0f} GiB{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
+    choice = suggest(s, cfg, m)
     if choice:
         ratio, micro, accum = choice
         lines.append(f"suggested: ac.ratio={ratio:g} train.micro_batch_size={micro} "
-                     f"train.grad_accum_steps={accum} (global batch {micro * accum * gpus})")
+                     f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus})")
     else:
-        lines.append("nothing fits: use more GPUs, fsdp.cpu_offload=true, or a shorter data.max_seq_len")
+        lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
     return "\n".join(lines)
 
 
-def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; return a log line."""
-    shapes = Shapes.of(build_meta_model(cfg.model))
-    choice = suggest(shapes, cfg, gpus, gpu_mem_gib)
+def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+                    gpus_per_node: int | None = None) -> str:
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; return a log line.
+    Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
+    shapes, m = Shapes.of(build_meta_model(cfg.model)), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    choice = suggest(shapes, cfg, m)
     if choice is None:
-        raise ConfigError(f"plan.auto: nothing fits {gpu_mem_gib:.0f} GiB per GPU on {gpus} GPUs; use more GPUs, "
-                          "fsdp.cpu_offload=true or a shorter data.max_seq_len")
+        raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
     cfg.ac.ratio, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     return (f"plan.auto: ac.ratio={cfg.ac.ratio:g} train.micro_batch_size={cfg.train.micro_batch_size} "
             f"train.grad_accum_steps={cfg.train.grad_accum_steps} "
             f"(predicted {predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio):.1f} GiB per GPU)")
 
 
-def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float) -> str | None:
-    """A warning if the planner predicts this run exceeds the GPU's memory, else None."""
-    predicted = predict_gib(Shapes.of(model), cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio)
-    if predicted <= gpu_mem_gib:
+def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+               gpus_per_node: int | None = None) -> str | None:
+    """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload,
+    the node's host memory), else None."""
+    s, m = Shapes.of(model), Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio)
+    problems = [f"{predicted:.0f} GiB per GPU for {gpu_mem_gib:.0f} GiB GPUs"] if predicted > gpu_mem_gib else []
+    if host_problem(s, cfg, m):
+        problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
+    if not problems:
         return None
-    return (f"warning: the memory planner predicts {predicted:.0f} GiB per GPU for {gpu_mem_gib:.0f} GiB GPUs; "
-            f"see `python -m sft.plan --config <this config> --gpus {world_size} --gpu-mem {gpu_mem_gib:.0f}`")
+    return (f"warning: the memory planner predicts {' and '.join(problems)}; see `python -m sft.plan --config "
+            f"<this config> --gpus {world_size} --gpu-mem {gpu_mem_gib:.0f}`")
 
 
 def main() -> None:
@@ -152,9 +245,16 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int, required=True, help="total number of GPUs")
     parser.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU you allow the run to use")
+    parser.add_argument("--host-mem", type=float, default=None,
+                        help="with fsdp.cpu_offload: host GiB per node you allow the run to use "
+                             "(default: this machine's memory, right only if it is one of the job's nodes)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help=f"with fsdp.cpu_offload: GPUs per node (default: min(--gpus, {DEFAULT_GPUS_PER_NODE}))")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    print(plan(load_config(args.config, args.overrides), args.gpus, args.gpu_mem))
+    m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)
+    note = "" if args.host_mem else " (this machine's memory: pass --host-mem for the compute nodes')"
+    print(plan(load_config(args.config, args.overrides), m, note))
 
 
 if __name__ == "__main__":

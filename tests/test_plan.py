@@ -8,7 +8,7 @@ import pytest
 from helpers import REPO
 from sft.config import ModelConfig
 from sft.model import build_meta_model
-from sft.plan import GIB, Shapes, peak_bytes
+from sft.plan import ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank, peak_bytes
 
 # Peaks measured on H200s (torch.cuda.max_memory_allocated, docs/BENCHMARKS.md "Memory planner"):
 # (model, GPUs, tokens per micro-batch, ac.ratio, compiled, reshard_after_forward, grad-acc) -> GiB.
@@ -84,3 +84,71 @@ def test_auto_plan_keeps_the_global_batch_and_fits(tmp_path):
     tight = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b"])
     apply_auto_plan(tight, gpus=64, gpu_mem_gib=40)
     assert tight.ac.ratio > cfg.ac.ratio or tight.train.micro_batch_size < cfg.train.micro_batch_size
+
+
+def test_offload_predictions_match_the_measured_run(shapes):
+    # Qwen2.5-0.5B, 1 x H100, 2 x 4096 tokens, ac 0, compiled (docs/BENCHMARKS.md "With fsdp.cpu_offload"):
+    # GPU peak 11.34 GiB; host in use at the end 12.7 GiB more than before the start.
+    s = shapes["qwen2.5-0.5b"]
+    assert peak_bytes(s, 1, 8192, 4096, 0.0, True, cpu_offload=True) / GIB == pytest.approx(11.34, rel=0.10)
+    assert host_bytes_per_rank(s, 1) / GIB == pytest.approx(12.7, rel=0.10)
+
+
+def test_offload_drops_the_sharded_state_from_the_gpu(qwen7b):
+    # P-7B at ac 0: the end of forward is the peak either way, and offload replaces the 12 bytes
+    # per parameter of sharded state by two blocks' fp32 shards in flight.
+    resident = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True)
+    offloaded = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, cpu_offload=True)
+    assert resident - offloaded == pytest.approx(ALLOCATOR_SLACK * (12 * qwen7b.params - 8 * qwen7b.block_params) / 4)
+    assert (resident - offloaded) / GIB == pytest.approx(21.9, abs=0.1)
+    # Gradients accumulate on the host: grad-acc costs the GPU nothing.
+    assert peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, grad_accum=4, cpu_offload=True) == offloaded
+
+
+def test_host_bytes_are_pinned_params_and_grads_rounded_up_plus_adam_moments():
+    s = Shapes(params=43, block_params=0, root_params=0, layers=1, hidden=1, ffn=1, kv_dim=1, vocab=1,
+               param_shapes=((10, 4), (3,)))
+    # 2 shard ranks: shards of 5 x 4 and 2 (padded) elements; fp32 80 B -> 128 B and 8 B pinned,
+    # twice (params, grads); Adam moments 8 B per shard element.
+    assert host_bytes_per_rank(s, 2) == 2 * (128 + 8) + 8 * (20 + 2) + HOST_PROCESS_GIB * GIB
+
+
+def test_host_per_node_is_16_bytes_per_parameter_and_gpu_plus_rounding(shapes):
+    s = shapes["qwen2.5-14b"]
+    per_rank = host_bytes_per_rank(s, 64) - HOST_PROCESS_GIB * GIB
+    # Power-of-two rounding at most doubles the 8 pinned bytes per parameter.
+    assert 16 * s.params / 64 <= per_rank <= 24 * s.params / 64
+    assert per_rank / GIB == pytest.approx(4.69, abs=0.01)
+
+
+def test_offload_host_budget_is_refused(tmp_path):
+    from sft.config import ConfigError, load_config
+    from sft.plan import apply_auto_plan, check_fits, host_gib_per_node, suggest
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    cfg = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b",
+                                                      "fsdp.cpu_offload=true"])
+    model = build_meta_model(cfg.model)
+    s = Shapes.of(model)
+    need = host_gib_per_node(s, cfg, Machine.of(16, 80, 1, 8))
+    assert need == pytest.approx(8 * host_bytes_per_rank(s, 16) / GIB)
+    assert suggest(s, cfg, Machine.of(16, 80, need + 1, 8)) is not None
+    assert suggest(s, cfg, Machine.of(16, 80, need - 1, 8)) is None
+    with pytest.raises(ConfigError, match=r"fsdp.cpu_offload needs \d+ GiB of host memory per node \(8 GPUs per node\)"):
+        apply_auto_plan(cfg, 16, 80, host_mem_gib=need - 1, gpus_per_node=8)
+    assert "GiB of host memory per node" in check_fits(model, cfg, 16, 80, host_mem_gib=need - 1, gpus_per_node=8)
+    assert check_fits(model, cfg, 16, 80, host_mem_gib=need + 1, gpus_per_node=8) is None
+
+
+def test_cli_plans_offload_on_a_machine_without_gpus():
+    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
+                           "--gpu-mem", "80", "--host-mem", "1024", "fsdp.cpu_offload=true",
+                           "model.name_or_path=configs/models/qwen2.5-72b"],
+                          cwd=REPO, capture_output=True, text=True, check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    out = proc.stdout
+    # GPU side: micro-batch 2 at ac 1 without the 12 bytes/parameter of sharded state (47.5 GiB on 64 GPUs with it).
+    assert "this config (micro-batch 2, ac.ratio 1): 31.6 GiB per GPU predicted — fits" in out
+    # Host side: 8 GPUs x (16 bytes x 72.7e9 / 8 + rounding + process) does not fit 1 TiB.
+    assert "host (fsdp.cpu_offload): 1159.7 GiB per node predicted (8 GPUs per node x 145.0 GiB" in out
+    assert "for 1024 GiB — does NOT fit" in out and "fsdp.cpu_offload needs 1160 GiB of host memory per node" in out
