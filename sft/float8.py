@@ -12,19 +12,22 @@ Recipes (precision.float8):
   optimizer step (`precompute_float8_scales`). The fastest.
 * rowwise: one scale per row; more accurate with outliers, slower, bf16 all-gather.
 
-torchao is an optional dependency (pip install -e '.[fp8]'): it is imported only here, and this
-module is imported only when float8 is on.
+torchao is an optional dependency (pip install -e '.[fp8]'): only this module uses it, and only
+inside the functions, so importing sft.float8 (and training with precision.float8: none) never
+needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from torch import nn
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.float8_linear import Float8Linear
 
 from sft.distributed import log0
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
 
 # float8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of 16.
 _ALIGNMENT = 16
@@ -34,6 +37,8 @@ def float8_linear_config(recipe: str, emulate: bool = False) -> Float8LinearConf
     """torchao's config for `recipe`. Tensorwise gets float8 all-gather of the FSDP shards, which
     needs its scales refreshed after every optimizer step (see precompute_float8_scales).
     `emulate`: the same float8 casts, but high-precision matmuls (see apply_float8)."""
+    from torchao.float8 import Float8LinearConfig
+
     if recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
     if recipe == "rowwise":
@@ -54,6 +59,9 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False) ->
 
     `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
     CPU's float8 matmul is a reference kernel about 200x slower than torchao's emulation."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
     config = float8_linear_config(recipe, emulate)
     skipped: dict[str, list[str]] = {}  # reason -> names of the Linears left in high precision
 
@@ -77,4 +85,6 @@ def precompute_float8_scales(model: nn.Module, recipe: str) -> None:
     all-gather computes its own: one small all-reduce per weight). Once called, it must follow
     every step: the all-gathers keep using the last precomputed scale. No-op for other recipes."""
     if recipe == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
         precompute_float8_dynamic_scale_for_fsdp(model)

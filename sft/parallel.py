@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from sft.config import DTYPES, ConfigError, FSDPConfig
 from sft.distributed import log0
+from sft.float8 import apply_float8
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
     """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
@@ -104,8 +105,6 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac_
     """float8 -> AC -> compile -> FSDP on a meta-device model (see the module docstring for why this
     order). `float8` is precision.float8."""
     if float8 != "none":
-        from sft.float8 import apply_float8  # torchao is optional: imported only when float8 is on
-
         apply_float8(blocks, float8, emulate=mesh.device_type == "cpu")
     blocks = apply_ac(model, blocks, ac_ratio)
     if compile_blocks:

@@ -49,12 +49,14 @@ import sys
 sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, import fails
 from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
+from sft.float8 import precompute_float8_scales
 from sft.model import build_meta_model, decoder_blocks
 from sft.parallel import build_mesh, parallelize
 cfg = load_config(sys.argv[1], ["compile.enabled=false"])
 init_distributed()
 model = build_meta_model(cfg.model)
 parallelize(model, decoder_blocks(model), build_mesh("cpu", 1, 1), 0.0, False, cfg.fsdp, cfg.precision.float8)
+precompute_float8_scales(model, cfg.precision.float8)  # train.py calls it after every step
 try:
     load_config(sys.argv[1], ["precision.float8=tensorwise"])
 except ConfigError as e:
@@ -63,8 +65,8 @@ except ConfigError as e:
 
 
 def test_without_torchao_bf16_works_and_float8_names_the_extra(tmp_path):
-    """torchao is optional: without it the default path (config, meta model, parallelize) runs,
-    and asking for float8 is a config error that says what to install."""
+    """torchao is optional: without it the default path (config, meta model, parallelize, the
+    per-step float8 hook) runs, and asking for float8 is a config error that says what to install."""
     proc = subprocess.run([sys.executable, "-c", WITHOUT_TORCHAO, str(write_config(tmp_path))], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
