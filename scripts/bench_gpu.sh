@@ -10,6 +10,12 @@
 #   perf      P-7B (random init): defaults (with a profile of steps 9-10), ZeRO-2, bf16 reduce, NCCL CTAs,
 #             grad-acc 4 with and without deferred gradient sync; ONLY=regex runs the matching variants
 #   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
+#   float8    precision.float8 none vs tensorwise vs rowwise: P-7B (tensorwise traces steps 9-10), V-7B packed,
+#             Qwen2.5-72B widths with 16 of 80 blocks (mb 2, seq 4096; AC72=ratio, default 0 on >100 GB cards
+#             else 1); ONLY=regex runs the matching runs. Needs torchao (a wheel in .whl/)
+#   float8numerics  a 0.39B model learns the demo chats, 400 steps, one GPU per run, in parallel: bf16,
+#             tensorwise, rowwise (same seed) and bf16 with seed 1 (the run-to-run spread);
+#             scripts/plot_float8.py prints the eval losses and writes docs/float8_numerics.png
 #   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
 #   ckpt14b   14B checkpoint save / resume / HF export times
 #   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows;
@@ -41,6 +47,10 @@ train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES 
 
 p7b_data() {  # the P-7B token file, enough samples for every stage's runs
   python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+}
+
+float8_applied() {  # float8_applied NAME: warn if a float8 run trained without converting anything
+  grep -q "applied float8" "$LOGS/$1.log" || echo "WARNING: $1 ran without float8 (no 'applied float8' in its log)"
 }
 
 hf_checkpoint() {  # hf_checkpoint SHAPES DIR: a random bf16 Hugging Face checkpoint of those shapes, timed
@@ -138,6 +148,48 @@ RUNS
         train "p7b-s2048-ac$ratio" configs/bench/p7b.yaml data.path=data/bench/len2048.parquet data.max_seq_len=2048 \
           ac.ratio=$ratio train.max_steps=8
       done ;;
+    float8)  # every run is the bf16 one with only precision.float8 changed
+      t_stage=$SECONDS
+      p7b_data
+      python3 scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4000 --lognormal 600 0.8
+      ac72=${AC72:-$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 |
+                     awk '{print ($1 > 100000) ? 0 : 1}')}  # mb 2, ac 0 peaks at ~97 GiB (4 x H200)
+      while read -r name config overrides; do
+        [[ "$name" =~ ${ONLY:-.} ]] || continue
+        # shellcheck disable=SC2086
+        train "$name" "$config" train.max_steps="$STEPS" $overrides </dev/null
+        [[ "$overrides" == *float8=none* ]] || float8_applied "$name"
+      done <<RUNS
+p7b-bf16             configs/bench/p7b.yaml precision.float8=none
+p7b-f8-tensorwise    configs/bench/p7b.yaml precision.float8=tensorwise logging.profile_steps=[9,10]
+p7b-f8-rowwise       configs/bench/p7b.yaml precision.float8=rowwise
+v7b-packed-bf16      configs/bench/v7b.yaml precision.float8=none data.packing=true train.micro_batch_size=2 model.attn_implementation=flex_attention
+v7b-packed-f8-tensorwise configs/bench/v7b.yaml precision.float8=tensorwise data.packing=true train.micro_batch_size=2 model.attn_implementation=flex_attention
+q72b16-bf16          configs/bench/p7b.yaml precision.float8=none model.name_or_path=configs/models/qwen2.5-72b-16blocks ac.ratio=$ac72
+q72b16-f8-tensorwise configs/bench/p7b.yaml precision.float8=tensorwise model.name_or_path=configs/models/qwen2.5-72b-16blocks ac.ratio=$ac72
+RUNS
+      [ -f runs/bench/p7b-f8-tensorwise/profile/summary.txt ] &&
+        cp runs/bench/p7b-f8-tensorwise/profile/summary.txt "$LOGS/p7b-f8-tensorwise.profile.txt"
+      python3 scripts/bench_summary.py runs/bench/{p7b-bf16,p7b-f8-*,v7b-packed-bf16,v7b-packed-f8-*,q72b16-*}/ --warmup 4 |
+        tee runs/bench/float8.md
+      echo "stage float8 took $((SECONDS - t_stage)) s" ;;
+    float8numerics)  # 4 one-GPU runs at once (with fewer GPUs, in waves); a failed run leaves the others
+      t_stage=$SECONDS
+      python3 scripts/demo_data.py --out data/float8num --train 8000 --eval 400
+      gpu=0; pids=()
+      for run in "bf16 none 0" "tensorwise tensorwise 0" "rowwise rowwise 0" "bf16-seed1 none 1"; do
+        read -r name recipe seed <<<"$run"
+        (
+          CUDA_VISIBLE_DEVICES=$gpu NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "f8num-$name" \
+            configs/bench/float8_numerics.yaml precision.float8="$recipe" train.seed="$seed"
+          [ "$recipe" = none ] || float8_applied "f8num-$name"
+        ) &
+        pids+=($!); gpu=$(((gpu + 1) % NGPU)); [ $gpu -eq 0 ] && wait "${pids[@]}" && pids=()
+      done; wait
+      python3 scripts/plot_float8.py runs/bench/f8num-{bf16,tensorwise,rowwise} --noise runs/bench/f8num-bf16-seed1 \
+        --out docs/float8_numerics.png | tee runs/bench/float8_numerics.md
+      cp docs/float8_numerics.png runs/bench/ 2>/dev/null
+      echo "stage float8numerics took $((SECONDS - t_stage)) s" ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
       p7b_data
       hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random

@@ -152,6 +152,16 @@ class FSDPConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """Float8 matmuls in the decoder blocks' Linear layers (torchao; pip install -e '.[fp8]'), on
+    GPUs of compute capability >= 8.9 (H100, H200, L40S), with compile.enabled. tensorwise: one
+    scale per tensor and float8 FSDP all-gathers, the fastest; rowwise: one scale per row, more
+    accurate, slower. The lm_head and embeddings stay bf16; master weights, Adam moments and
+    checkpoints stay float32 with the same keys as without float8 (none <-> float8 resume works)."""
+
+
+@dataclass
 class ACConfig:
     ratio: float = 0.0
     """Fraction of decoder blocks wrapped in activation checkpointing, spread evenly over depth
@@ -220,6 +230,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ac: ACConfig = field(default_factory=ACConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -278,12 +289,32 @@ def _range_checks(cfg: Config) -> list[str]:
                                   ("logging.wandb_project", cfg.logging.wandb_project, "wandb")):
         check(not enabled or importlib.util.find_spec(package) is not None, key, enabled,
               f"needs the {package} package: pip install {package} (or turn it off)")
+    if cfg.precision.float8 != "none":
+        problems += _float8_checks(cfg)
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     check(cfg.logging.profile_steps is None or 1 <= cfg.logging.profile_steps[0] <= cfg.logging.profile_steps[1],
           "logging.profile_steps", cfg.logging.profile_steps, "must be [first, last] with 1 <= first <= last")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if value and _looks_like_local_file(value):
             check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
+    return problems
+
+
+def _float8_checks(cfg: Config) -> list[str]:
+    """precision.float8 with the rest of the config (its GPU requirement is in check_machine)."""
+    key = f"precision.float8={cfg.precision.float8!r}"
+    problems = []
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(f"{key}: needs torchao: pip install -e '.[fp8]' (or set precision.float8=none)")
+    if not cfg.compile.enabled:
+        # Eager float8 runs each scale and cast as its own kernel: slower than plain bf16.
+        problems.append(f"{key}: needs compile.enabled=true (without compile float8 is slower than bfloat16)")
+    if cfg.fsdp.param_dtype != "bfloat16":
+        # Only the blocks' matmuls run in float8; everything around them computes in param_dtype.
+        problems.append(f"{key}: needs fsdp.param_dtype=bfloat16 (float8 replaces bfloat16 matmuls)")
+    if cfg.fsdp.cpu_offload:
+        # Float8 all-gather and its precomputed scales work on GPU shards; untested with offload.
+        problems.append(f"{key}: not supported with fsdp.cpu_offload=true; turn one of them off")
     return problems
 
 
@@ -297,6 +328,15 @@ def check_machine(cfg: Config, device: torch.device) -> None:
     if cfg.fsdp.cpu_offload and device.type != "cuda":
         problems.append(f"fsdp.cpu_offload={cfg.fsdp.cpu_offload!r}: offloads GPU training state to host memory: "
                         "needs GPUs (set it to false on a CPU-only machine)")
+    if cfg.precision.float8 != "none":
+        key = f"precision.float8={cfg.precision.float8!r}"
+        if device.type != "cuda":
+            problems.append(f"{key}: float8 matmuls need NVIDIA GPUs of compute capability >= 8.9 (H100, H200, "
+                            "L40S); set precision.float8=none on this machine")
+        elif torch.cuda.get_device_capability(device) < (8, 9):
+            name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+            problems.append(f"{key}: {name} has compute capability {capability[0]}.{capability[1]}; float8 "
+                            "matmuls need >= 8.9 (H100, H200, L40S): set precision.float8=none")
     if problems:
         raise ConfigError("invalid config for this machine:\n  - " + "\n  - ".join(problems))
 

@@ -1,8 +1,11 @@
-"""Parallelise a meta-device model, in the fixed order: activation checkpointing -> compile -> FSDP2.
+"""Parallelise a meta-device model, in the fixed order: float8 -> activation checkpointing -> compile
+-> FSDP2.
 
-The order matters: the checkpoint wrapper must be inside the compiled region so compile sees
-(and can optimise) the recomputation, and `fully_shard` goes last so its hooks wrap the compiled
-block from outside (TorchTitan's order).
+The order matters: float8 swaps the blocks' Linear modules, so it goes first, before anything
+wraps the blocks (AC), traces them (compile) or takes over their parameters (FSDP; tensorwise float8
+weights then all-gather in float8). The checkpoint wrapper must be inside the compiled region so
+compile sees (and can optimise) the recomputation, and `fully_shard` goes last so its hooks wrap
+the compiled block from outside (TorchTitan's order).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from sft.config import DTYPES, ConfigError, FSDPConfig
 from sft.distributed import log0
+from sft.float8 import apply_float8
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
     """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
@@ -97,8 +101,11 @@ def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> Devi
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac_ratio: float,
-                compile_blocks: bool, fsdp: FSDPConfig) -> None:
-    """AC -> compile -> FSDP on a meta-device model (see the module docstring for why this order)."""
+                compile_blocks: bool, fsdp: FSDPConfig, float8: str = "none") -> None:
+    """float8 -> AC -> compile -> FSDP on a meta-device model (see the module docstring for why this
+    order). `float8` is precision.float8."""
+    if float8 != "none":
+        apply_float8(blocks, float8, emulate=mesh.device_type == "cpu")
     blocks = apply_ac(model, blocks, ac_ratio)
     if compile_blocks:
         apply_compile(blocks)

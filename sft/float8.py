@@ -1,0 +1,90 @@
+"""Float8 matmuls for the decoder blocks' Linear layers (torchao), with float32 master weights.
+
+`convert_to_float8_training` swaps `nn.Linear` for torchao's `Float8Linear`: same parameters
+(names, shapes, float32 master values), but each matmul casts its inputs to float8 with dynamic
+scales and runs on Hopper's float8 tensor cores (2x the bf16 rate). Only the repeated blocks
+are converted: the lm_head and embeddings stay in bf16 (the lm_head's 152k-wide output is where
+float8 rounding hurts the loss most; the embedding is a lookup, not a matmul).
+
+Recipes (precision.float8):
+* tensorwise: one scale per tensor. FSDP all-gathers the weights already cast to float8 (half
+  the bytes of bf16), with their scales computed for all blocks in one all-reduce after each
+  optimizer step (`precompute_float8_scales`). The fastest.
+* rowwise: one scale per row; more accurate with outliers, slower, bf16 all-gather.
+
+torchao is an optional dependency (pip install -e '.[fp8]'): only this module uses it, and only
+inside the functions, so importing sft.float8 (and training with precision.float8: none) never
+needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from sft.distributed import log0
+
+if TYPE_CHECKING:
+    from torchao.float8 import Float8LinearConfig
+
+# float8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of 16.
+_ALIGNMENT = 16
+
+
+def float8_linear_config(recipe: str, emulate: bool = False) -> Float8LinearConfig:
+    """torchao's config for `recipe`. Tensorwise gets float8 all-gather of the FSDP shards, which
+    needs its scales refreshed after every optimizer step (see precompute_float8_scales).
+    `emulate`: the same float8 casts, but high-precision matmuls (see apply_float8)."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate)
+    if recipe == "rowwise":
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+    raise AssertionError(f"unknown float8 recipe {recipe!r} (the config should have refused it)")
+
+
+def _skip_reason(linear: nn.Linear) -> str | None:
+    if linear.in_features % _ALIGNMENT or linear.out_features % _ALIGNMENT:
+        return f"in/out features {linear.in_features}/{linear.out_features} not multiples of {_ALIGNMENT}"
+    return None
+
+
+def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False) -> None:
+    """Swap the blocks' nn.Linear layers for Float8Linear in place (on the meta model, before
+    activation checkpointing, compile and fully_shard wrap them); Linears whose dimensions do not
+    suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged.
+
+    `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
+    CPU's float8 matmul is a reference kernel about 200x slower than torchao's emulation."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = float8_linear_config(recipe, emulate)
+    skipped: dict[str, list[str]] = {}  # reason -> names of the Linears left in high precision
+
+    def convert(linear: nn.Linear, name: str) -> bool:  # torchao calls it for every nn.Linear
+        reason = _skip_reason(linear)
+        if reason:
+            skipped.setdefault(reason, []).append(name)
+        return reason is None
+
+    for block in blocks:
+        convert_to_float8_training(block, module_filter_fn=convert, config=config)
+    converted = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
+    details = "; ".join(f"{len(names)} with {reason} (e.g. {names[0]})" for reason, names in skipped.items())
+    log0(f"applied float8 ({recipe}) to {converted} linears in {len(blocks)} blocks, "
+         f"skipped {sum(map(len, skipped.values()))}" + (f": {details}" if details else ""))
+
+
+def precompute_float8_scales(model: nn.Module, recipe: str) -> None:
+    """Call after every optimizer.step(): with tensorwise scaling, compute the float8 scales of all
+    sharded weights in one all-reduce, for the next step's float8 all-gathers (otherwise each
+    all-gather computes its own: one small all-reduce per weight). Once called, it must follow
+    every step: the all-gathers keep using the last precomputed scale. No-op for other recipes."""
+    if recipe == "tensorwise":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)

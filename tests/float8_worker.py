@@ -1,0 +1,118 @@
+"""Run under torchrun by tests/test_float8.py: float8 through the real FSDP2 path on gloo ranks.
+
+Builds the model on meta, parallelizes it with `--float8` (no compile: CPU tests stay fast),
+materializes and loads the random init, or resumes from `--resume` (a checkpoint written by
+either precision), trains `--steps` steps on a fixed batch, and saves a checkpoint to `--save`.
+With `--reload-as RECIPE` a second model converted with RECIPE then loads that checkpoint.
+Writes what the test asserts on from rank 0 to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from helpers import synthetic_global_batch
+from sft.checkpoint import load_checkpoint, save_checkpoint
+from sft.collate import collate
+from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, to_yaml
+from sft.distributed import all_reduce_sum, init_distributed
+from sft.float8 import precompute_float8_scales
+from sft.loss import attach_sft_loss, forward_backward, loss_inputs
+from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_tokenizer, load_weights,
+                       materialize, real_buffers)
+from sft.optim import build_optimizer, build_scheduler
+from sft.parallel import build_mesh, parallelize
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # DTensor -> plain tensor of the whole parameter; the float8 weight wrapper is unwrapped too.
+    return {clean_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def build(model_cfg: ModelConfig, recipe: str, env, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    model = build_meta_model(model_cfg)
+    buffers = real_buffers(model)
+    parallelize(model, decoder_blocks(model), mesh, 0.0, False, FSDPConfig(param_dtype="bfloat16"), recipe)
+    materialize(model, buffers, env.device)
+    attach_sft_loss(model)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
+    return model, optimizer, build_scheduler(optimizer, OptimConfig(lr=1e-3), total_steps=10)
+
+
+@torch.no_grad()
+def loss_at_current_weights(model: torch.nn.Module, batch: dict, env) -> float:
+    inputs = loss_inputs(batch)
+    ce = model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
+    ce, n = all_reduce_sum([ce.item(), len(inputs["target_ids"])], env.device).tolist()
+    return ce / n
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--float8", default="none")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--resume")
+    p.add_argument("--save")
+    p.add_argument("--reload-as")
+    args = p.parse_args()
+
+    env = init_distributed()
+    torch.manual_seed(0)
+    model_cfg = ModelConfig(name_or_path=args.model, init="random")
+    mesh = build_mesh(env.device.type, env.world_size, 1)
+    model, optimizer, scheduler = build(model_cfg, args.float8, env, mesh)
+    result: dict = {"float8_linears": sorted(clean_name(n) for n, m in model.named_modules()
+                                             if type(m).__name__ == "Float8Linear")}
+    if args.resume:
+        load_checkpoint(Path(args.resume), model, optimizer, scheduler, env)
+        result["loaded"] = full_params(model)
+    else:
+        load_weights(model, initial_weights(model_cfg, 0), env.device)
+        result["loaded"] = full_params(model)
+    samples = synthetic_global_batch(8)
+    per_rank = len(samples) // env.world_size
+    batch = collate(samples[env.rank * per_rank:(env.rank + 1) * per_rank], 0, 4096)
+    losses = []
+    for _ in range(args.steps):
+        ce_sum, supervised = forward_backward(model, [batch], env.device)
+        losses.append(all_reduce_sum([ce_sum.item()], env.device).item() / supervised.item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        precompute_float8_scales(model, args.float8)  # as train.py does after every step
+    result["losses"] = losses
+    result["trained"] = full_params(model)
+    result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in model.parameters()})
+    result["weight_types"] = sorted({type(p.to_local()).__name__ for p in model.parameters()})
+    moments = [v.to_local() for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    result["moment_types"] = sorted({f"{type(m).__name__} {m.dtype}" for m in moments})
+    if args.save:
+        state = {"step": args.steps, "tokens_seen": 0, "global_batch": len(samples), "world_size": env.world_size}
+        config = Config(model=model_cfg)
+        config.precision.float8 = args.float8
+        path = save_checkpoint(Path(args.save), args.steps, model, optimizer, scheduler, state, to_yaml(config),
+                               load_tokenizer(model_cfg), keep_last=1, env=env)
+        result["checkpoint"] = str(path)
+        if args.reload_as:
+            other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, mesh)
+            load_checkpoint(path, other, other_optimizer, other_scheduler, env)
+            result["reloaded"] = full_params(other)
+            # The same weights through both precisions: float8 must change the numbers, a little.
+            result["loss_saved"] = loss_at_current_weights(model, batch, env)
+            result["loss_reloaded"] = loss_at_current_weights(other, batch, env)
+    if env.rank == 0:
+        torch.save(result, args.out)
+    dist.barrier()  # no rank tears down gloo while another still talks to it
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Float8 (precision.float8): config checks, which Linears get converted, and that checkpoints,
+resume and export are the same with float8 on and off (2 gloo ranks; float8 matmuls run on CPU).
+
+Speed and loss curves need Hopper GPUs: scripts/bench_gpu.sh stages float8 and float8numerics.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from helpers import REPO, model_dir, run_torchrun
+from sft.config import ConfigError, ModelConfig, check_machine, load_config
+from sft.model import build_meta_model, decoder_blocks
+
+
+def write_config(tmp_path: Path) -> Path:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": []}\n')
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "configs/demo/model"}, "data": {"path": str(data)},
+                                    "compile": {"enabled": True}}))
+    return path
+
+
+FLOAT8_ON = ["precision.float8=tensorwise"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["precision.float8=fp8"], "precision.float8='fp8': expected one of ['none', 'tensorwise', 'rowwise']"),
+    (FLOAT8_ON + ["compile.enabled=false"], "precision.float8='tensorwise': needs compile.enabled=true"),
+    (["precision.float8=rowwise", "fsdp.param_dtype=float32"],
+     "precision.float8='rowwise': needs fsdp.param_dtype=bfloat16"),
+    (FLOAT8_ON + ["fsdp.cpu_offload=true"], "precision.float8='tensorwise': not supported with fsdp.cpu_offload"),
+])
+def test_float8_config_errors_name_key_and_fix(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path), overrides)
+    assert message in str(err.value)
+
+
+WITHOUT_TORCHAO = """
+import sys
+sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, import fails
+from sft.config import ConfigError, load_config
+from sft.distributed import init_distributed
+from sft.float8 import precompute_float8_scales
+from sft.model import build_meta_model, decoder_blocks
+from sft.parallel import build_mesh, parallelize
+cfg = load_config(sys.argv[1], ["compile.enabled=false"])
+init_distributed()
+model = build_meta_model(cfg.model)
+parallelize(model, decoder_blocks(model), build_mesh("cpu", 1, 1), 0.0, False, cfg.fsdp, cfg.precision.float8)
+precompute_float8_scales(model, cfg.precision.float8)  # train.py calls it after every step
+try:
+    load_config(sys.argv[1], ["precision.float8=tensorwise"])
+except ConfigError as e:
+    print(e)
+"""
+
+
+def test_without_torchao_bf16_works_and_float8_names_the_extra(tmp_path):
+    """torchao is optional: without it the default path (config, meta model, parallelize, the
+    per-step float8 hook) runs, and asking for float8 is a config error that says what to install."""
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TORCHAO, str(write_config(tmp_path))], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "applied FSDP2" in proc.stdout and "float8 (" not in proc.stdout
+    assert "precision.float8='tensorwise': needs torchao: pip install -e '.[fp8]'" in proc.stdout
+
+
+@pytest.mark.parametrize("device, capability, message", [
+    ("cpu", None, "float8 matmuls need NVIDIA GPUs of compute capability >= 8.9"),
+    ("cuda", (8, 0), "FAKE-A100 has compute capability 8.0; float8 matmuls need >= 8.9"),
+    ("cuda", (9, 0), None),
+])
+def test_check_machine_float8(tmp_path, monkeypatch, device, capability, message):
+    pytest.importorskip("torchao")
+    cfg = load_config(write_config(tmp_path), FLOAT8_ON)  # valid at parse time: planning works anywhere
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "FAKE-A100")
+    if message is None:
+        check_machine(cfg, torch.device(device, 0))
+        return
+    with pytest.raises(ConfigError, match="precision.float8='tensorwise'") as err:
+        check_machine(cfg, torch.device(device))
+    assert message in str(err.value)
+
+
+def test_conversion_picks_block_linears_aligned_to_16_and_keeps_state_dict(tmp_path, capsys):
+    """On the meta model: every block Linear with both dims multiples of 16 becomes Float8Linear;
+    the MLP (intermediate 200) stays nn.Linear; lm_head and embeddings are untouched; the state
+    dict (what the loader, DCP and export see) keeps its keys, shapes and dtypes."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from sft.float8 import apply_float8
+
+    cfg = ModelConfig(name_or_path=str(model_dir(tmp_path, tied=False, intermediate_size=200)))
+    plain, model = build_meta_model(cfg), build_meta_model(cfg)
+    apply_float8(decoder_blocks(model), "tensorwise")
+
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    expected = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(4) for p in "qkvo"}
+    assert converted == expected
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert type(model.get_submodule(f"model.layers.0.mlp.{name}")) is nn.Linear
+    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    before = {k: (v.shape, v.dtype) for k, v in plain.state_dict().items()}
+    after = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    assert after == before
+    assert all(p.is_meta for p in model.parameters())
+    log = capsys.readouterr().out
+    assert ("applied float8 (tensorwise) to 16 linears in 4 blocks, skipped 12: 8 with in/out features 128/200 "
+            "not multiples of 16 (e.g. mlp.gate_proj); 4 with in/out features 200/128 not multiples of 16 "
+            "(e.g. mlp.down_proj)") in log
+
+
+def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
+    pytest.importorskip("torchao")
+    from torchao.float8 import ScalingGranularity
+
+    from sft.float8 import float8_linear_config
+
+    tensorwise, rowwise = float8_linear_config("tensorwise"), float8_linear_config("rowwise")
+    assert tensorwise.enable_fsdp_float8_all_gather
+    assert tensorwise.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
+    assert not rowwise.enable_fsdp_float8_all_gather
+    assert rowwise.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
+
+
+def test_checkpoints_and_export_interchangeable_between_float8_and_bf16(tmp_path):
+    """2 gloo ranks through the real path (meta -> float8 -> FSDP2 -> materialize -> load):
+    train tensorwise float8 and save; resume that with float8 off, train, save; load the result
+    into a rowwise float8 model. Every load is exact, and the export is plain bf16 safetensors."""
+    pytest.importorskip("torchao")
+    model = model_dir(tmp_path, tied=False)
+
+    def worker(name: str, *flags: str) -> dict:
+        out = tmp_path / f"{name}.pt"
+        run_torchrun(["tests/float8_worker.py", "--model", str(model), "--out", str(out), *flags], nproc=2)
+        return torch.load(out)
+
+    f8 = worker("f8", "--float8", "tensorwise", "--steps", "2", "--save", str(tmp_path / "ckpt-f8"))
+    bf = worker("bf", "--float8", "none", "--resume", f8["checkpoint"], "--steps", "1",
+                "--save", str(tmp_path / "ckpt-bf"), "--reload-as", "rowwise")
+    assert len(f8["float8_linears"]) == 28 and bf["float8_linears"] == []
+    assert f8["weight_types"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"]  # float8 all-gather is on
+    for run in (f8, bf):  # fp32 master weights and Adam moments, plain tensors in the optimizer
+        assert run["shard_dtypes"] == ["torch.float32"] and run["moment_types"] == ["Tensor torch.float32"]
+    assert f8["losses"][1] < f8["losses"][0]  # it trains
+    for saved, loaded in ((f8["trained"], bf["loaded"]), (bf["trained"], bf["reloaded"])):
+        assert saved.keys() == loaded.keys()
+        for name in saved:
+            assert torch.equal(saved[name], loaded[name]), name
+    # Same weights, bf16 vs float8 matmuls: close, but not equal (the float8 path really ran).
+    assert bf["loss_reloaded"] == pytest.approx(bf["loss_saved"], rel=2e-2)
+    assert bf["loss_reloaded"] != bf["loss_saved"]
+
+    from sft.export import export_hf
+
+    export_hf(Path(f8["checkpoint"]), tmp_path / "export")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").state_dict()
+    assert exported.keys() == f8["trained"].keys()
+    for name, tensor in exported.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, f8["trained"][name].bfloat16()), name
