@@ -15,6 +15,7 @@ Rank 0 tokenises first; the other ranks then read its cache.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import json
@@ -26,16 +27,19 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import datasets
+import numpy as np
+import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from sft.config import DataConfig
+from sft.config import ConfigError, DataConfig, load_config
 from sft.distributed import log0
 from sft import masking
 from sft.collate import collate, collate_packed
-from sft.masking import DropSample, encode_segments, render_segments, truncate_tokenized
+from sft.model import ModelError, load_tokenizer
+from sft.masking import IGNORE_INDEX, DropSample, encode_segments, render_segments, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
 datasets.disable_progress_bars()
@@ -367,3 +371,69 @@ class MicroBatches:
         rows = [[next(samples) for _ in group] for group in groups]
         tokens = sum(len(s["input_ids"]) for row in rows for s in row)
         return collate_packed(rows, self.pad_token_id, self.cfg.max_seq_len), tokens
+
+
+def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool) -> str:
+    """The sample's text with its supervised spans in green (terminal) or between [[ and ]]."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (labels[i] == IGNORE_INDEX) != (labels[start] == IGNORE_INDEX):
+            text = tokenizer.decode(ids[start:i])
+            if labels[start] != IGNORE_INDEX:
+                text = f"\033[32m{text}\033[0m" if colour else f"[[{text}]]"
+            out.append(text)
+            start = i
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sft.data",
+        description="Load the data exactly as train.py does (same config, same tokenisation and cache), then show "
+                    "samples with the trained tokens marked and statistics. Single process, no GPU.")
+    parser.add_argument("--config", required=True, help="the YAML file you train with")
+    parser.add_argument("--show", type=int, default=0, metavar="N", help="print the first N training samples")
+    parser.add_argument("--stats", action="store_true", help="print statistics (the default without --show)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides as for train.py, e.g. data.max_seq_len=4096")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    train, evals, reports = prepare_sft_data(cfg.data, tokenizer, cfg.train.seed)
+
+    colour = sys.stdout.isatty()
+    for index in range(min(args.show, len(train))):
+        row = train[index]
+        print(f"--- sample {index} ({row['length']} tokens, {_where(cfg.data.path, [row[SOURCE_ROW]])[row[SOURCE_ROW]]} "
+              f"of {cfg.data.path}; trained: {'green' if colour else '[[...]]'})")
+        print(_marked(tokenizer, row["input_ids"], row["labels"], colour))
+    if args.stats or not args.show:
+        for split, data in (("train", train), ("eval", evals)):
+            if data is None:
+                continue
+            report = reports[split]
+            lengths = np.sort(np.asarray(data["length"]))
+            labels = pc.list_flatten(data.data.column("labels"))
+            supervised = pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py()
+            print(f"{split}: kept {len(data)}/{report.rows} rows")
+            for reason, (count, at) in report.drops.items():
+                print(f"  dropped {count}: {reason} (first: {at})")
+            print(f"  tokens per sample: min {lengths[0]}, median {int(np.median(lengths))}, "
+                  f"p99 {int(np.percentile(lengths, 99))}, max {lengths[-1]}; {lengths.sum():,} in all")
+            print(f"  supervised: {supervised:,} tokens ({supervised / lengths.sum():.1%})")
+            print(f"  cut by data.max_seq_len={cfg.data.max_seq_len}: {report.truncated} samples")
+            if split == "train" and cfg.data.packing:
+                rows = pack_best_fit(data["length"], cfg.data.max_seq_len)
+                print(f"  packing: {len(rows)} rows of {cfg.data.max_seq_len}, "
+                      f"fill {lengths.sum() / (len(rows) * cfg.data.max_seq_len):.1%}")
+
+
+if __name__ == "__main__":
+    # Run the CLI from the importable module rather than this __main__ copy of it, so that every
+    # function, the datasets cache key and the DataError class caught here are those train.py uses.
+    import sft.data
+
+    try:
+        sft.data.main()
+    except (ConfigError, sft.data.DataError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
