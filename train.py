@@ -28,6 +28,7 @@ from sft.data import TrainBatches, MicroBatches, load_sft_data
 from sft.distributed import init_distributed, log0
 from sft.evaluate import evaluate
 from sft.export import export_hf
+from sft.float8 import precompute_float8_scales
 from sft.loss import attach_sft_loss, forward_backward
 from sft.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
 from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
@@ -42,7 +43,7 @@ from sft.rundir import RunDirectory
 def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
-    env = init_distributed()
+    env = init_distributed(cfg.fsdp.cpu_offload)
     check_machine(cfg, env.device)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             log0(warning)
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
-    parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp)
+    parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
+        precompute_float8_scales(model, cfg.precision.float8)  # tensorwise: next step's float8 all-gather
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)

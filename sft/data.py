@@ -15,29 +15,36 @@ Rank 0 tokenises first; the other ranks then read its cache.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
 import json
+import pickle
 import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import datasets
+import numpy as np
+import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from sft.config import ConfigError, DataConfig, UserError
+from sft.config import ConfigError, DataConfig, UserError, load_config
 from sft.distributed import log0
 from sft import masking
 from sft.collate import collate, collate_packed
-from sft.masking import DropSample, tokenize_conversation, truncate_tokenized
+from sft.model import ModelError, load_tokenizer
+from sft.masking import IGNORE_INDEX, DropSample, encode_segments, render_segments, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
 datasets.disable_progress_bars()
+
+T = TypeVar("T")
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "tool": "tool", "function_call": "assistant",
@@ -46,6 +53,29 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 
 class DataError(UserError):
     """The dataset cannot be used as configured; the message names the file/key and the fix."""
+
+
+# Each row keeps its position in the file through shuffle and split, so a message can point at it.
+SOURCE_ROW = "source_row"
+
+
+def _check_jsonl(path: Path, key: str) -> None:
+    """After `datasets` failed to read a JSONL file: raise a DataError naming the first bad line, if any."""
+    nonblank = 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            nonblank += 1
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{key}={str(path)!r}: line {number} is not valid JSON: {e}") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{key}={str(path)!r}: line {number} is a JSON {type(row).__name__}, "
+                                "expected one object per line like {\"messages\": [...]}")
+    if nonblank == 0:
+        raise DataError(f"{key}={str(path)!r}: the dataset is empty (only blank lines)")
 
 
 def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None, key: str) -> datasets.Dataset:
@@ -63,10 +93,29 @@ def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None,
     except DataError:
         raise
     except Exception as e:  # datasets raises many types (hub, parsing, missing split)
+        if local.suffix == ".jsonl":  # its messages do not say which line; find it
+            _check_jsonl(local, key)
         raise DataError(f"{key}={path!r}: could not load the dataset: {type(e).__name__}: {e}") from None
     if len(rows) == 0:
         raise DataError(f"{key}={path!r}: the dataset is empty")
-    return rows
+    return rows.add_column(SOURCE_ROW, list(range(len(rows))))
+
+
+def _where(path: str, source_rows: list[int]) -> dict[int, str]:
+    """Where each row is in the user's file: 'line N' (1-based) of a JSONL file, else 'row N' (0-based)."""
+    if Path(path).suffix != ".jsonl":
+        return {row: f"row {row}" for row in source_rows}
+    # datasets skips blank lines, so the n-th row is the n-th non-blank line.
+    wanted, found, nonblank = set(source_rows), {}, -1
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                nonblank += 1
+                if nonblank in wanted:
+                    found[nonblank] = f"line {number}"
+                    if len(found) == len(wanted):
+                        break
+    return found
 
 
 def detect_format(columns: list[str], source: str) -> str:
@@ -74,6 +123,7 @@ def detect_format(columns: list[str], source: str) -> str:
                         ("prompt_completion", {"prompt", "completion"}), ("tokenized", {"input_ids", "labels"})):
         if needed <= set(columns):
             return fmt
+    columns = [c for c in columns if c != SOURCE_ROW]
     raise DataError(f"{source}: no 'messages', 'conversations', 'prompt'+'completion' or 'input_ids'+'labels' column "
                     f"(found: {', '.join(columns)}); see README 'Data formats'")
 
@@ -114,71 +164,128 @@ def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
     return _drop_nulls(messages), _drop_nulls(tools) if tools else None
 
 
-def _tokenize_row(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
-                  last_turn_only: bool) -> dict:
-    try:
-        if fmt == "tokenized":
-            ids, labels = truncate_tokenized(row["input_ids"], row["labels"], max_seq_len)
-        else:
-            messages, tools = to_messages(row, fmt)
-            ids, labels = tokenize_conversation(tokenizer, messages, tools, max_seq_len, last_turn_only)
-        return {"input_ids": ids, "labels": labels, "length": len(ids), "drop_reason": ""}
-    except DropSample as e:
-        return {"input_ids": [], "labels": [], "length": 0, "drop_reason": str(e)}
+def _tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
+                    last_turn_only: bool) -> dict[str, list]:
+    """A batch of rows -> input_ids, labels, length, tokens cut by truncation, drop_reason ('' = kept).
+
+    Rows are rendered one by one, then all their segments are tokenised in one call."""
+    n = len(batch[SOURCE_ROW])
+    untruncated: list[tuple[list[int], list[int]] | None] = [None] * n
+    reasons = [""] * n
+    rendered, segments = [], []
+    for i in range(n):
+        row = {column: values[i] for column, values in batch.items()}
+        try:
+            if fmt == "tokenized":
+                untruncated[i] = (row["input_ids"], row["labels"])
+            else:
+                segments.append(render_segments(tokenizer, *to_messages(row, fmt)))
+                rendered.append(i)
+        except DropSample as e:
+            reasons[i] = str(e)
+    for i, pair in zip(rendered, encode_segments(tokenizer, segments, last_turn_only)):
+        untruncated[i] = pair
+    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "cut": []}
+    for i, pair in enumerate(untruncated):
+        ids, labels = [], []
+        if pair is not None:
+            try:
+                ids, labels = truncate_tokenized(*pair, max_seq_len)
+            except DropSample as e:
+                reasons[i] = str(e)
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["length"].append(len(ids))
+        out["cut"].append(len(pair[0]) - len(ids) if ids else 0)
+    return {**out, "drop_reason": reasons, SOURCE_ROW: batch[SOURCE_ROW]}
 
 
 _TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsource(masking)
 
 
-def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
-              source: str, split_name: str) -> datasets.Dataset:
+def _rank0_first(work: Callable[[], T]) -> T:
+    """Rank 0 runs `work` (filling the datasets cache) before the other ranks run it (reading that cache)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+    result = work()
+    if dist.is_initialized() and dist.get_rank() == 0:
+        dist.barrier()
+    return result
+
+
+@dataclass
+class SplitReport:
+    """What tokenising one split kept and dropped."""
+
+    rows: int
+    drops: dict[str, tuple[int, str]]
+    """reason -> (rows dropped for it, where the first of them is in the file, e.g. 'line 7')"""
+    truncated: int
+    """kept samples that data.max_seq_len cut"""
+
+
+def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, path: str,
+              source: str, split_name: str) -> tuple[datasets.Dataset, SplitReport]:
     fmt = detect_format(rows.column_names, source)
     kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
                   last_turn_only=cfg.train_on == "last_assistant")
 
     # datasets keys its cache on the function's *name* for module-level functions, not its code:
     # put the source of the tokenisation code in the key so an upgrade never reuses stale rows.
-    fingerprint = Hasher.hash([rows._fingerprint, _TOKENISATION_SOURCE, kwargs])
+    # The tokenizer goes in as its C pickle: hashing it through datasets' dill pickler takes ~5x as
+    # long (seconds for a 151k vocabulary), and the C pickle is as complete and as deterministic.
+    fingerprint = Hasher.hash([rows._fingerprint, _TOKENISATION_SOURCE, pickle.dumps(tokenizer),
+                               {k: v for k, v in kwargs.items() if k != "tokenizer"}])
+    tokenized = _rank0_first(lambda: rows.map(
+        _tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
+        num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
+        desc=f"tokenising {split_name}"))
 
-    def run() -> datasets.Dataset:
-        return rows.map(_tokenize_row, fn_kwargs=kwargs, remove_columns=rows.column_names,
-                        num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
-                        desc=f"tokenising {split_name}")
-
-    # Rank 0 fills the datasets cache; the others then load it instead of tokenising again.
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-    tokenized = run()
-    if dist.is_initialized() and dist.get_rank() == 0:
-        dist.barrier()
-
-    drop_reasons = tokenized["drop_reason"]  # read the column once
-    reasons = Counter(drop_reasons)
-    kept = reasons.pop("", 0)
-    for reason, count in reasons.most_common():
-        first = drop_reasons.index(reason)
-        log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: row {first})")
+    columns = tokenized.select_columns(["drop_reason", SOURCE_ROW, "cut"]).to_dict()  # read once
+    first: dict[str, int] = {}
+    for reason, row in zip(columns["drop_reason"], columns[SOURCE_ROW]):
+        if reason:
+            first.setdefault(reason, row)
+    counts = Counter(columns["drop_reason"])
+    kept = counts.pop("", 0)
+    where = _where(path, list(first.values()))
+    report = SplitReport(len(tokenized), {r: (n, where[first[r]]) for r, n in counts.most_common()},
+                         sum(cut > 0 for cut in columns["cut"]))
+    for reason, (count, at) in report.drops.items():
+        log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: {at} of {path})")
     if kept == 0:
         raise DataError(f"{source}: every {split_name} sample was dropped "
-                        f"({'; '.join(f'{n}x {r}' for r, n in reasons.items())}); nothing to train on")
-    return tokenized.filter(lambda r: r == "", input_columns="drop_reason").remove_columns("drop_reason")
+                        f"({'; '.join(f'{n}x {r}' for r, (n, _) in report.drops.items())}); nothing to train on")
+    if report.truncated:
+        log0(f"data: data.max_seq_len={cfg.max_seq_len} cut {report.truncated}/{kept} {split_name} samples")
+    kept_rows = tokenized.filter(lambda r: r == "", input_columns="drop_reason")
+    return kept_rows.remove_columns(["drop_reason", "cut"]), report
 
 
-def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
-                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Return (train, eval or None) with columns input_ids, labels, length."""
+def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+                     ) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, SplitReport]]:
+    """load_sft_data, plus what tokenising each split ('train', 'eval') dropped and cut."""
     rows = _load_rows(cfg.path, cfg.subset, cfg.split, cfg.cache_dir, "data.path").shuffle(seed=seed)
     if cfg.max_samples is not None:
         rows = rows.select(range(min(cfg.max_samples, len(rows))))
-    eval_rows = None
+    eval_rows, eval_path = None, cfg.eval_path or cfg.path
     if cfg.eval_path:
         eval_rows = _load_rows(cfg.eval_path, cfg.subset, cfg.split, cfg.cache_dir, "data.eval_path")
     elif cfg.eval_fraction > 0:
         parts = rows.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         rows, eval_rows = parts["train"], parts["test"]
-    train = _tokenize(rows, tokenizer, cfg, f"data.path={cfg.path}", "train")
-    evals = _tokenize(eval_rows, tokenizer, cfg, f"data.eval={cfg.eval_path or cfg.path}", "eval") \
-        if eval_rows is not None else None
+    train, train_report = _tokenize(rows, tokenizer, cfg, cfg.path, f"data.path={cfg.path}", "train")
+    if eval_rows is None:
+        return train, None, {"train": train_report}
+    evals, eval_report = _tokenize(eval_rows, tokenizer, cfg, eval_path, f"data.eval={eval_path}", "eval")
+    return train, evals, {"train": train_report, "eval": eval_report}
+
+
+def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
+                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Return (train, eval or None) with columns input_ids, labels, length (and source_row: the row's
+    position in its file)."""
+    train, evals, _ = prepare_sft_data(cfg, tokenizer, seed)
     return train, evals
 
 
@@ -289,3 +396,69 @@ class TrainBatches:
     def describe(self) -> str:
         packed = f", packed into {len(self.packed_rows)} rows" if self.packed_rows else ""
         return f"{self.num_samples} train samples{packed}, global batch {self.sampler.global_batch}"
+
+
+def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool) -> str:
+    """The sample's text with its supervised spans in green (terminal) or between [[ and ]]."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (labels[i] == IGNORE_INDEX) != (labels[start] == IGNORE_INDEX):
+            text = tokenizer.decode(ids[start:i])
+            if labels[start] != IGNORE_INDEX:
+                text = f"\033[32m{text}\033[0m" if colour else f"[[{text}]]"
+            out.append(text)
+            start = i
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m sft.data",
+        description="Load the data exactly as train.py does (same config, same tokenisation and cache), then show "
+                    "samples with the trained tokens marked and statistics. Single process, no GPU.")
+    parser.add_argument("--config", required=True, help="the YAML file you train with")
+    parser.add_argument("--show", type=int, default=0, metavar="N", help="print the first N training samples")
+    parser.add_argument("--stats", action="store_true", help="print statistics (the default without --show)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides as for train.py, e.g. data.max_seq_len=4096")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    train, evals, reports = prepare_sft_data(cfg.data, tokenizer, cfg.train.seed)
+
+    colour = sys.stdout.isatty()
+    for index in range(min(args.show, len(train))):
+        row = train[index]
+        print(f"--- sample {index} ({row['length']} tokens, {_where(cfg.data.path, [row[SOURCE_ROW]])[row[SOURCE_ROW]]} "
+              f"of {cfg.data.path}; trained: {'green' if colour else '[[...]]'})")
+        print(_marked(tokenizer, row["input_ids"], row["labels"], colour))
+    if args.stats or not args.show:
+        for split, data in (("train", train), ("eval", evals)):
+            if data is None:
+                continue
+            report = reports[split]
+            lengths = np.sort(np.asarray(data["length"]))
+            labels = pc.list_flatten(data.data.column("labels"))
+            supervised = pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py()
+            print(f"{split}: kept {len(data)}/{report.rows} rows")
+            for reason, (count, at) in report.drops.items():
+                print(f"  dropped {count}: {reason} (first: {at})")
+            print(f"  tokens per sample: min {lengths[0]}, median {int(np.median(lengths))}, "
+                  f"p99 {int(np.percentile(lengths, 99))}, max {lengths[-1]}; {lengths.sum():,} in all")
+            print(f"  supervised: {supervised:,} tokens ({supervised / lengths.sum():.1%})")
+            print(f"  cut by data.max_seq_len={cfg.data.max_seq_len}: {report.truncated} samples")
+            if split == "train" and cfg.data.packing:
+                rows = pack_best_fit(data["length"], cfg.data.max_seq_len)
+                print(f"  packing: {len(rows)} rows of {cfg.data.max_seq_len}, "
+                      f"fill {lengths.sum() / (len(rows) * cfg.data.max_seq_len):.1%}")
+
+
+if __name__ == "__main__":
+    # Run the CLI from the importable module rather than this __main__ copy of it, so that every
+    # function, the datasets cache key and the DataError class caught here are those train.py uses.
+    import sft.data
+
+    try:
+        sft.data.main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

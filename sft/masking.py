@@ -1,15 +1,31 @@
-"""Assistant-only labels: which tokens of a rendered conversation are trained.
+"""Assistant-only labels: which tokens of a rendered conversation are trained, and how they are cut.
 
 Every assistant turn is supervised, including its end-of-turn token (or the model never learns to
 stop); system/user/tool content, role headers and any system prompt the template injects get
-IGNORE_INDEX. Two ways to find the assistant tokens, both through the model's own chat template:
+IGNORE_INDEX.
 
-* the template marks them with `{% generation %}`: transformers returns the mask directly;
-* otherwise (stock Qwen2.5 / Llama-3 templates): render the conversation up to just before each
-  assistant turn (with the generation prompt) and up to its end; the tokens in between are that
-  turn. This needs the template to be prefix-preserving, which is asserted for every turn; a
-  conversation where it fails is dropped and counted, never trained with a wrong mask. Whitespace
-  the template appends after the end-of-turn token (ChatML's "\n") is not supervised.
+Tokenisation follows inference. The model's chat template renders the conversation to text, the
+text is cut at the rendered turn boundaries into prompt segments (everything up to and including
+the generation prompt, e.g. "<|im_start|>assistant\\n") and assistant segments (the turn's text or
+tool-call text and its end-of-turn token), and each segment is tokenised on its own. Tokenising the
+whole string instead lets a byte-level BPE merge across a boundary: with Qwen2's vocabulary
+"assistant\\n" + "\\nThe" becomes `assistant`, `ĊĊ`, `The`, a token that is half prompt, half reply,
+which the model never sees at inference (the prompt ends with `Ċ`, then it generates). Whitespace
+the template writes after the end-of-turn token (ChatML's "\\n") belongs to the next prompt segment
+and is not supervised.
+
+The trade-off: in a multi-turn row, earlier turns are tokenised as the model generated them (each
+on its own), whereas at inference a chat server re-tokenises the whole history as one string. The
+two differ only where a merge would cross a turn boundary, and then the training row holds the
+generated form.
+
+Assistant text is found in the rendering in one of two ways:
+* the template marks it with `{% generation %}`: the marked character spans;
+* otherwise (stock Qwen2.5 / Llama-3 templates): the conversation is rendered up to just before
+  each assistant turn (with the generation prompt) and through it, and the text in between is
+  that turn. This needs the template to be prefix-preserving *as text*, which is checked for every
+  turn; a conversation where it fails (Qwen3's template, which rewrites earlier `<think>` blocks)
+  is dropped and counted, never trained with a wrong mask.
 """
 
 from __future__ import annotations
@@ -17,11 +33,20 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+NOT_PREFIX_PRESERVING = (
+    "chat template is not prefix-preserving as text at an assistant turn (it rewrites earlier turns, "
+    "like Qwen3's <think> handling): to train such rows, wrap the assistant text and end-of-turn token "
+    "of the tokenizer's chat template in {% generation %} ... {% endgeneration %} (README: How masking works)")
+
+Segment = tuple[str, bool]
+"""A piece of the rendered conversation and whether it is supervised (an assistant turn)."""
 
 
 class DropSample(Exception):
@@ -51,43 +76,91 @@ def validate_messages(messages: Any) -> None:
         raise DropSample("no assistant turn")
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None,
-            add_generation_prompt: bool = False) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
-    return list(out["input_ids"])
+def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], tools: list | None,
+            add_generation_prompt: bool = False, generation_spans: bool = False) -> tuple[list[str], list]:
+    """Texts (and {% generation %} character spans) of several conversations in one call.
+
+    The same renderer as `apply_chat_template` (which cannot return the spans without tokenising):
+    the tokenizer's special tokens as template variables, messages without their None-valued keys.
+    """
+    conversations = [[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations]
+    try:
+        return render_jinja_template(conversations, tools=tools, chat_template=tokenizer.get_chat_template(None, tools),
+                                     add_generation_prompt=add_generation_prompt,
+                                     return_assistant_tokens_mask=generation_spans, **tokenizer.special_tokens_map)
+    except jinja2.TemplateError as e:  # e.g. raise_exception('Conversation roles must alternate ...')
+        raise DropSample(f"the chat template refused the conversation: {e}") from None
 
 
-def _spans_from_generation_mask(tokenizer, messages, tools) -> tuple[list[int], list[tuple[int, int]]]:
-    out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    spans, start = [], None
-    for i, bit in enumerate(mask + [0]):
-        if bit and start is None:
-            start = i
-        elif not bit and start is not None:
-            spans.append((start, i))
-            start = None
-    return ids, spans
-
-
-def _spans_from_prefixes(tokenizer, messages, tools) -> tuple[list[int], list[tuple[int, int]]]:
-    ids = _render(tokenizer, messages, tools)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
-        through = _render(tokenizer, messages[: i + 1], tools)
-        if through[: len(before)] != before or ids[: len(through)] != through:
-            raise DropSample("chat template is not prefix-preserving at an assistant turn "
-                             "(use a template with {% generation %} for this model)")
+def _assistant_spans(tokenizer, messages, tools) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant turn in it."""
+    if has_generation_tags(tokenizer):
+        (text,), (marked,) = _render(tokenizer, [messages], tools, generation_spans=True)
+        spans: list[list[int]] = []
+        for start, end in sorted(marked):  # one turn marked in several touching blocks is one segment
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+        return text, spans
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prompts, _ = _render(tokenizer, [messages[:i] for i in turns], tools, add_generation_prompt=True)
+    full = [messages] if turns[-1] != len(messages) - 1 else []
+    throughs, _ = _render(tokenizer, [messages[: i + 1] for i in turns] + full, tools)
+    text = throughs[-1]
+    spans, end = [], 0
+    for prompt, through in zip(prompts, throughs):
+        if not (end <= len(prompt) and through.startswith(prompt) and text.startswith(through)):
+            raise DropSample(NOT_PREFIX_PRESERVING)
+        spans.append((len(prompt), len(through)))
         end = len(through)
-        while end > len(before) and not tokenizer.decode(ids[end - 1 : end]).strip():
-            end -= 1  # trailing newline after the end-of-turn token
-        spans.append((len(before), end))
-    return ids, spans
+    return text, spans
+
+
+def render_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None) -> list[Segment]:
+    """The conversation rendered by its chat template, cut into prompt and assistant segments.
+
+    An assistant segment ends at its last non-whitespace character: whitespace the template writes
+    after the end-of-turn token goes to the next prompt segment. Raises DropSample.
+    """
+    validate_messages(messages)
+    text, spans = _assistant_spans(tokenizer, messages, tools)
+    segments: list[Segment] = []
+    pos = 0
+    for start, end in spans:
+        end = start + len(text[start:end].rstrip())
+        if end == start:
+            continue
+        if start > pos:
+            segments.append((text[pos:start], False))
+        segments.append((text[start:end], True))
+        pos = end
+    if pos < len(text):
+        segments.append((text[pos:], False))
+    if not any(supervised for _, supervised in segments):
+        raise DropSample("the chat template marked no assistant text")
+    if len(segments) == 1:
+        raise DropSample("the chat template marked every token as assistant")
+    return segments
+
+
+def encode_segments(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Segment]],
+                    last_turn_only: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each conversation: its segments tokenised one by one, in one batched call."""
+    texts = [text for segments in conversations for text, _ in segments]
+    if not texts:
+        return []
+    encoded = iter(tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
+    out = []
+    for segments in conversations:
+        last = max(i for i, (_, supervised) in enumerate(segments) if supervised)
+        ids, labels = [], []
+        for i, (_, supervised) in enumerate(segments):
+            piece = next(encoded)
+            ids += piece
+            labels += piece if supervised and (i == last or not last_turn_only) else [IGNORE_INDEX] * len(piece)
+        out.append((ids, labels))
+    return out
 
 
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None,
@@ -96,20 +169,7 @@ def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dic
 
     Labels follow the Hugging Face convention (not shifted: the loss shifts). Raises DropSample.
     """
-    validate_messages(messages)
-    if has_generation_tags(tokenizer):
-        ids, spans = _spans_from_generation_mask(tokenizer, messages, tools)
-    else:
-        ids, spans = _spans_from_prefixes(tokenizer, messages, tools)
-    if not spans:
-        raise DropSample("the chat template marked no assistant tokens")
-    if len(spans) == 1 and spans[0] == (0, len(ids)):
-        raise DropSample("the chat template marked every token as assistant")
-    if last_turn_only:
-        spans = spans[-1:]
-    labels = [IGNORE_INDEX] * len(ids)
-    for start, end in spans:
-        labels[start:end] = ids[start:end]
+    (ids, labels), = encode_segments(tokenizer, [render_segments(tokenizer, messages, tools)], last_turn_only)
     return truncate_tokenized(ids, labels, max_seq_len)
 
 

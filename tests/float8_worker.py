@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from helpers import synthetic_global_batch
-from sft.checkpoint import load_checkpoint, save_checkpoint
+from sft.checkpoint import Checkpointer
 from sft.collate import collate
-from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, to_yaml
+from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.float8 import precompute_float8_scales
 from sft.loss import attach_sft_loss, forward_backward, loss_inputs
@@ -71,8 +71,13 @@ def main() -> None:
     model, optimizer, scheduler = build(model_cfg, args.float8, env, mesh)
     result: dict = {"float8_linears": sorted(clean_name(n) for n, m in model.named_modules()
                                              if type(m).__name__ == "Float8Linear")}
+    # The run's checkpoints go to <save>/run/checkpoints (Checkpointer's layout).
+    config = Config(model=model_cfg)
+    config.precision.float8, config.checkpoint.keep_last = args.float8, 1
+    config.train.output_dir, config.train.run_name = args.save or ".", "run"
+    ckpt = Checkpointer(config, load_tokenizer(model_cfg), env)
     if args.resume:
-        load_checkpoint(Path(args.resume), model, optimizer, scheduler, env)
+        ckpt.restore(Path(args.resume), model, optimizer, scheduler)
         result["loaded"] = full_params(model)
     else:
         load_weights(model, initial_weights(model_cfg, 0), env.device)
@@ -95,15 +100,12 @@ def main() -> None:
     moments = [v.to_local() for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
     result["moment_types"] = sorted({f"{type(m).__name__} {m.dtype}" for m in moments})
     if args.save:
-        state = {"step": args.steps, "tokens_seen": 0, "global_batch": len(samples), "world_size": env.world_size}
-        config = Config(model=model_cfg)
-        config.precision.float8 = args.float8
-        path = save_checkpoint(Path(args.save), args.steps, model, optimizer, scheduler, state, to_yaml(config),
-                               load_tokenizer(model_cfg), keep_last=1, env=env)
+        state = {"tokens_seen": 0, "global_batch": len(samples), "world_size": env.world_size}
+        path = ckpt.save(args.steps, model, optimizer, scheduler, state)
         result["checkpoint"] = str(path)
         if args.reload_as:
             other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, mesh)
-            load_checkpoint(path, other, other_optimizer, other_scheduler, env)
+            ckpt.restore(path, other, other_optimizer, other_scheduler)
             result["reloaded"] = full_params(other)
             # The same weights through both precisions: float8 must change the numbers, a little.
             result["loss_saved"] = loss_at_current_weights(model, batch, env)

@@ -74,12 +74,14 @@ def test_bad_rows_are_dropped_and_counted(tmp_path, tok, capsys):
             {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]},
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok"}]}]
     path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # A blank line (datasets skips it) and the shuffle must not shift the line numbers reported.
+    path.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
     train, _ = load(tok, path)
     assert len(train) == 2
     out = capsys.readouterr().out
-    assert "dropped 1/4 train samples: no assistant turn" in out
-    assert "dropped 1/4 train samples: unknown role 'wizard'" in out
+    assert f"dropped 1/4 train samples: no assistant turn (first: line 3 of {path})" in out
+    assert f"dropped 1/4 train samples: unknown role 'wizard' (known: system, user, assistant, tool) (first: line 4 of {path})" in out
+    assert sorted(train["source_row"]) == [0, 3]
 
 
 def test_every_sample_dropped_is_an_error(tmp_path, tok):
@@ -92,6 +94,9 @@ def test_every_sample_dropped_is_an_error(tmp_path, tok):
 @pytest.mark.parametrize("content, message", [
     (None, "file not found"),
     ("", "the dataset is empty"),
+    ("\n  \n\n", "the dataset is empty \\(only blank lines\\)"),
+    ('{"messages": []}\n\n{"messages": [}\n', "line 3 is not valid JSON: Expecting value: line 1 column 15"),
+    ('{"messages": []}\n[1, 2]\n', "line 2 is a JSON list, expected one object per line"),
     ('{"text": "hello"}\n', "no 'messages', 'conversations', 'prompt'\\+'completion' or 'input_ids'\\+'labels' column \\(found: text\\)"),
 ])
 def test_bad_files_give_one_clear_error(tmp_path, tok, content, message):

@@ -1,0 +1,124 @@
+"""Masks on real vocabularies (Qwen2's byte-level BPE merges whitespace; Llama-3's has header tokens).
+
+For every case: each supervised span is exactly the tokens of the turn's own text + end-of-turn
+token (tokenised on its own, decoded back to that text), and the prompt before the first reply is
+token for token what `apply_chat_template(..., add_generation_prompt=True)` gives at inference.
+"""
+
+import json
+
+import pytest
+
+from helpers import DEMO_MODEL
+from real_tokenizers import END_OF_TURN, real_tokenizer
+from sft.masking import IGNORE_INDEX, DropSample, tokenize_conversation
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+ARGS = json.dumps(CALL["function"]["arguments"])
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text, calls=None):
+    return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+
+
+CASES = {
+    "newline_start": [user("2 + 2?"), assistant("\nThe answer is 4.")],
+    "two_newlines_start": [user("2 + 2?"), assistant("\n\nThe answer is 4.")],
+    "spaces_newline_start": [user("Indent?"), assistant("  \n  indented")],
+    "later_turn_newline_start": [user("Hi"), assistant("Hello!"), user("2 + 2?"), assistant("\n\n4")],
+    "trailing_whitespace": [user("Hi"), assistant("Done.\n\n"), user("More?"), assistant("Yes.  ")],
+    "code_block": [user("Code?"), assistant("Here:\n\n```python\ndef f(x):\n    return x + 1\n```\n")],
+    "crlf": [user("Two lines\r\nplease"), assistant("line one\r\nline two\r\n")],
+    "non_ascii": [user("Größe?"), assistant("Die Größe von 東京 ist ✓ — très grand.")],
+    "system_multi_turn": [{"role": "system", "content": "Be brief.\n"}, user("a"), assistant("b"), user("c"),
+                          assistant("d\n")],
+    "tool_call_after_newline": [user("Weather in Paris?"), assistant("\nLet me check.", [CALL]),
+                                {"role": "tool", "content": "sunny, 21 C"}, assistant("\nIt is sunny.")],
+}
+
+
+def expected_turn_text(name: str, message: dict) -> str:
+    """What the model must produce for this turn under each model's own template."""
+    if name == "llama3":  # Llama-3.1 trims content; a tool call replaces the content
+        if message.get("tool_calls"):
+            return '{"name": "get_weather", "parameters": ' + ARGS + "}<|eot_id|>"
+        return message["content"].strip() + "<|eot_id|>"
+    text = message["content"]
+    for _ in message.get("tool_calls", []):  # Qwen2.5's and the demo ChatML template's tool-call text
+        text += ('\n<tool_call>\n{"name": "get_weather", "arguments": ' + ARGS + "}\n</tool_call>" if name == "qwen2"
+                 else '<tool_call>{"name": "get_weather", "arguments": ' + ARGS + "}</tool_call>")
+    return text + END_OF_TURN.get(name, "<|im_end|>")
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen2_generation_tags", "llama3"])
+def template(request):
+    """(name, tokenizer): Qwen2.5's template (prefix path), the demo's ChatML template with
+    {% generation %} on the Qwen2 vocabulary (generation path), Llama-3.1's template."""
+    tok = real_tokenizer(request.param.removesuffix("_generation_tags"))
+    if request.param == "qwen2_generation_tags":
+        tok.chat_template = (DEMO_MODEL / "chat_template.jinja").read_text()
+    return request.param, tok
+
+
+def spans(labels):
+    """(start, end) of each run of supervised labels."""
+    out, start = [], None
+    for i, label in enumerate(labels + [IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = i
+        elif label == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_supervised_tokens_are_the_turns_own_tokens(template, case):
+    name, tok = template
+    messages = CASES[case]
+    tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
+    ids, labels = tokenize_conversation(tok, messages, tools, max_seq_len=4096)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert len(spans(labels)) == len(turns)
+    for (start, end), i in zip(spans(labels), turns):
+        expected = expected_turn_text(name, messages[i])
+        assert tok.decode(ids[start:end]) == expected
+        assert ids[start:end] == tok(expected, add_special_tokens=False)["input_ids"]
+        # Everything before the turn is the text the template renders as the inference prompt.
+        prompt = tok.apply_chat_template(messages[:i], tools=tools, add_generation_prompt=True, tokenize=False)
+        assert tok.decode(ids[:start]) == prompt
+    first = turns[0]
+    inference_prompt = tok.apply_chat_template(messages[:first], tools=tools, add_generation_prompt=True)["input_ids"]
+    assert ids[: spans(labels)[0][0]] == list(inference_prompt)
+    # Nothing is left out: the row is the whole rendered conversation.
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def test_whitespace_merges_are_real():
+    """The reason this file exists: whole-string tokenisation merges the generation prompt's
+    newline with the reply's. If this stops holding, the cases above no longer test anything."""
+    tok = real_tokenizer("qwen2")
+    whole = tok.convert_ids_to_tokens(tok("<|im_start|>assistant\n\nThe", add_special_tokens=False)["input_ids"])
+    assert whole == ["<|im_start|>", "assistant", "ĊĊ", "The"]
+    # "\n\n", "  ", "():\n" are single tokens. (Qwen2's pre-tokenizer splits "\n" from the spaces
+    # after it, so it has no "\n  " token.)
+    assert all(token in tok.get_vocab() for token in ("ĊĊ", "ĠĠ", "():Ċ"))
+
+
+def test_history_rewriting_template_is_dropped_with_the_fix():
+    """A Qwen3-like template drops the reasoning of earlier turns: not prefix-preserving as text."""
+    tok = real_tokenizer("qwen2")
+    tok.chat_template = (
+        "{%- for m in messages -%}{%- set c = m['content'] -%}"
+        "{%- if m['role'] == 'assistant' and not loop.last -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    messages = [user("a"), assistant("<think>x</think>b"), user("c"), assistant("<think>y</think>d")]
+    with pytest.raises(DropSample, match="not prefix-preserving as text.*{% generation %}"):
+        tokenize_conversation(tok, messages, None, max_seq_len=4096)
