@@ -35,7 +35,7 @@ from sft.model import build_meta_model, decoder_blocks, load_tokenizer, material
 from sft.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.parallel import build_mesh, parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
-from sft.preemption import REQUEUE_EXIT_CODE, StopRequest, write_stopped_marker
+from sft.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker
 from sft.profiling import StepProfiler
 from sft.rundir import RunDirectory
 
@@ -43,7 +43,7 @@ from sft.rundir import RunDirectory
 def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
-    env = init_distributed(cfg.fsdp.cpu_offload)
+    env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run.start()  # everything loaded: only now does this run change its directory
     start_step = state["step"]
-    stop = StopRequest()
+    stop = StopRequest(cfg.run_dir / STOP_REQUEST if env.is_main else None,
+                       started_at=time.time() - seconds_since_process_start())
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
     startup_s = seconds_since_process_start()
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         save(step)
         if env.is_main:
             write_stopped_marker(cfg.run_dir, step, stop.signal_name)
-        log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s signal'} with a committed "
+        log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s request'} with a committed "
              f"checkpoint; exit code {REQUEUE_EXIT_CODE} asks for a requeue")
     else:
         last_eval = run_eval(total_steps)
@@ -162,14 +163,16 @@ def main(argv: list[str] | None = None) -> int:
             log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
         final = save(total_steps) if start_step < total_steps else resume_from
     logger.close()
+    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
+    dist.destroy_process_group()
+    # Rank 0 exports after the process group is gone: no other rank waits for it under a
+    # collective timeout (a 72B export writes ~145 GB).
     if env.is_main and not stopped:
         if cfg.checkpoint.export_hf:
             t0 = time.perf_counter()
             export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
             log0(f"exported a Hugging Face model to {cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
         run.finish()
-    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
-    dist.destroy_process_group()
     return REQUEUE_EXIT_CODE if stopped else 0
 
 

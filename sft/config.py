@@ -215,6 +215,15 @@ class LoggingConfig:
 
 
 @dataclass
+class DistConfig:
+    timeout_minutes: float = 15.0
+    """Timeout of every collective: a rank that died or hangs stops the others after this long
+    instead of leaving them waiting. Work that keeps ranks waiting for longer (rank 0 tokenising a
+    large dataset on the first run) waits outside it; the HF export runs after the process group
+    is gone."""
+
+
+@dataclass
 class PlanConfig:
     auto: bool = False
     """On GPUs, let the memory planner (python -m sft.plan) choose ac.ratio, train.micro_batch_size
@@ -236,6 +245,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
@@ -282,6 +292,7 @@ def _range_checks(cfg: Config) -> list[str]:
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
     check(cfg.checkpoint.enabled or not cfg.checkpoint.export_hf, "checkpoint.export_hf", cfg.checkpoint.export_hf,
           "exports from the final checkpoint: needs checkpoint.enabled=true")
+    check(cfg.dist.timeout_minutes > 0, "dist.timeout_minutes", cfg.dist.timeout_minutes, "must be > 0")
     check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
     check(cfg.checkpoint.resume in ("auto", "none") or Path(cfg.checkpoint.resume).is_dir(), "checkpoint.resume",
           cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")

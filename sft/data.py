@@ -35,7 +35,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import ConfigError, DataConfig, UserError, load_config
-from sft.distributed import log0
+from sft.distributed import decided_on_rank0, log0
 from sft import masking
 from sft.collate import collate, collate_packed
 from sft.model import ModelError, load_tokenizer
@@ -204,13 +204,14 @@ _TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsou
 
 
 def _rank0_first(work: Callable[[], T]) -> T:
-    """Rank 0 runs `work` (filling the datasets cache) before the other ranks run it (reading that cache)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-    result = work()
-    if dist.is_initialized() and dist.get_rank() == 0:
-        dist.barrier()
-    return result
+    """Rank 0 runs `work` (filling the datasets cache) before the other ranks run it (reading that
+    cache). The others wait without the collective timeout: a first run on a large dataset can
+    tokenise for longer than dist.timeout_minutes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    done: list[T] = []
+    decided_on_rank0(lambda: done.append(work()), long_wait=True)
+    return done[0] if done else work()
 
 
 @dataclass

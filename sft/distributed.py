@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -50,8 +51,19 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
 
 
-def init_distributed(cpu_offload: bool = False) -> DistEnv:
-    """Join the torchrun world (or create a world of one); see process_group_backend."""
+# How long ranks may wait for one rank's long single-rank work (first-run tokenisation of a big
+# dataset): far beyond any collective timeout, which is meant to catch hung or dead ranks.
+LONG_WAIT = timedelta(hours=12)
+_long_wait_group: dist.ProcessGroup | None = None
+
+
+def init_distributed(cpu_offload: bool = False, timeout_minutes: float | None = None) -> DistEnv:
+    """Join the torchrun world (or create a world of one); see process_group_backend.
+
+    `timeout_minutes` bounds every collective (dist.timeout_minutes): a rank that died or hangs
+    stops the others after that long. Waiting for one rank's long work uses a separate gloo group
+    with LONG_WAIT instead (decided_on_rank0(..., long_wait=True)).
+    """
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
@@ -68,8 +80,11 @@ def init_distributed(cpu_offload: bool = False) -> DistEnv:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(process_group_backend(device.type, cpu_offload),
+    timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else None
+    dist.init_process_group(process_group_backend(device.type, cpu_offload), timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
+    global _long_wait_group
+    _long_wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
     return DistEnv(rank, local_rank, world_size, device)
 
 
@@ -89,19 +104,30 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
 T = TypeVar("T")
 
 
-def decided_on_rank0(decide: Callable[[], T]) -> T:
-    """Collective: run `decide` on rank 0 only and hand its result, or its UserError, to every
-    rank. One rank reads the shared filesystem instead of all of them, all ranks agree, and an
-    error stops every rank at the same point (none is left waiting in a later collective)."""
+def decided_on_rank0(decide: Callable[[], T], long_wait: bool = False) -> T:
+    """Collective: run `decide` on rank 0 only and hand its result, or its error, to every rank.
+
+    One rank reads the shared filesystem instead of all of them, all ranks agree, and an error
+    stops every rank at the same point (none is left waiting in a later collective): a UserError
+    is raised alike everywhere, any other exception as a RuntimeError naming it. With
+    `long_wait` the others wait on a gloo group without the collective timeout (LONG_WAIT), for
+    work that can take longer than dist.timeout_minutes (tokenising a large dataset).
+    """
     outcome: list = [None]
     if dist.get_rank() == 0:
         try:
             outcome[0] = ("ok", decide())
         except UserError as e:
             outcome[0] = ("error", e)
-    dist.broadcast_object_list(outcome, src=0)
+        except BaseException as e:
+            outcome[0] = ("crash", f"{type(e).__name__}: {e}")
+            dist.broadcast_object_list(outcome, src=0, group=_long_wait_group if long_wait else None)
+            raise
+    dist.broadcast_object_list(outcome, src=0, group=_long_wait_group if long_wait else None)
     kind, value = outcome[0]
     if kind == "error":
         value.shared = True  # raised alike on every rank: reported once, by rank 0
         raise value
+    if kind == "crash":
+        raise RuntimeError(f"rank 0 failed: {value}")
     return value

@@ -1,11 +1,15 @@
-"""Preemption: SIGTERM / SIGUSR1 ask the run to stop after the current step with a checkpoint.
+"""Preemption: SIGTERM / SIGUSR1, or a `stop-request` file in the run directory, ask the run to
+stop after the current step with a checkpoint.
 
 A handler only sets a flag (nothing unsafe happens inside a signal handler). The training loop
 sums the flag over ranks with the step's metrics all-reduce, so every rank sees the request at
 the same step and leaves the loop there; the shutdown path commits a checkpoint, then writes the
 `stopped` marker (step, signal, time) into the run directory and exits with REQUEUE_EXIT_CODE.
-The marker is what slurm/train.slurm trusts for a requeue: under torchrun the workers' exit code
-does not reach the script (torchrun exits 1 whenever a worker fails).
+
+slurm/train.slurm asks through the file rather than a signal: torchrun SIGKILLs its workers 30 s
+after forwarding a signal (before torch 2.12 that cannot be changed), and a 7B save takes a
+minute. The marker is what the script trusts for a requeue: under torchrun the workers' exit
+code does not reach it (torchrun exits 1 whenever a worker fails).
 """
 
 from __future__ import annotations
@@ -21,11 +25,17 @@ from sft import atomic
 # EX_TEMPFAIL, "try again later".
 REQUEUE_EXIT_CODE = 75
 STOPPED_MARKER = "stopped"
+STOP_REQUEST = "stop-request"
 
 
 class StopRequest:
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
+    """Whether this rank was asked to stop: a signal, or (`stop_file`, watched by rank 0) a stop
+    request written after this process started (an older one was for an earlier job)."""
+
+    def __init__(self, stop_file: Path | None, started_at: float,
+                 signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
         self.signal_name: str | None = None
+        self.stop_file, self.started_at = stop_file, started_at
         for sig in signals:
             signal.signal(sig, self._handle)
 
@@ -34,6 +44,12 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
+        if self.signal_name is None and self.stop_file is not None:
+            try:
+                if self.stop_file.stat().st_mtime >= self.started_at:
+                    self.signal_name = self.stop_file.name
+            except FileNotFoundError:
+                pass
         return self.signal_name is not None
 
 

@@ -29,13 +29,13 @@ from pathlib import Path
 from sft import atomic
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
-from sft.preemption import STOPPED_MARKER
+from sft.preemption import STOP_REQUEST, STOPPED_MARKER
 
 FINISHED = "finished"
 OVERWRITTEN = "overwritten"
 # What a run writes at its top level (besides the checkpoints): moved aside together on overwrite.
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "profile", "curves.png", FINISHED,
-              STOPPED_MARKER)
+              STOPPED_MARKER, STOP_REQUEST)
 
 
 class RunDirectory:

@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, resharding, crash safety, preemption, Hugging Face export."""
 
+import json
 import os
 import shutil
 import signal
@@ -86,30 +87,52 @@ def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data)
     assert "Traceback" not in proc.stderr
 
 
-def test_sigterm_commits_a_checkpoint_and_asks_for_requeue(tmp_path, demo_data):
+# How slurm/train.slurm asks a run to stop: the stop-request file (time limit), or SIGTERM through
+# torchrun with TORCH_ELASTIC_SHUTDOWN_TIMEOUT (preemption). Either way the stop-save gets its
+# time: here it is slowed to 32 s, past torchrun's default 30 s before SIGKILL.
+STOP_WAYS = {"stop-request file": {}, "SIGTERM": {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}}
+
+
+@pytest.mark.parametrize("how", list(STOP_WAYS))
+def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            *demo(demo_data, tmp_path, "preempted", "train.max_steps=1000")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SFT_TEST_SLOW_SAVE_S": "32",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")]),
+           **STOP_WAYS[how]}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "preempted" / "metrics.jsonl"
+    run = tmp_path / "preempted"
     deadline = time.time() + 240
-    while not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+    while not ((run / "metrics.jsonl").exists() and '"step": 2,' in (run / "metrics.jsonl").read_text()):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.2)
-    t0 = time.time()
-    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
-    stdout, stderr = proc.communicate(timeout=120)
-    assert time.time() - t0 < 30  # inside torchrun's SIGTERM -> SIGKILL grace
-    latest = (tmp_path / "preempted" / "checkpoints" / "latest").read_text().strip()
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
+    else:
+        (run / "stop-request").write_text("")
+    stdout, stderr = proc.communicate(timeout=240)
+    latest = (run / "checkpoints" / "latest").read_text().strip()
     step = int(latest.removeprefix("step-"))
-    assert step >= 2 and f"stopping at step {step} on SIGTERM" in stdout
+    assert step >= 2 and f"stopping at step {step} on {'SIGTERM' if how == 'SIGTERM' else 'stop-request'}" in stdout
     assert f"exit code {REQUEUE_EXIT_CODE}" in stdout
+    assert json.loads((run / "stopped").read_text())["step"] == step  # what the Slurm script requeues on
     assert proc.returncode != 0  # torchrun reports the stop as a failure, never as success
 
     # The requeued job (same command) continues where it stopped.
     rerun = run_demo(demo_data, tmp_path, "preempted", "eval.every_steps=0", f"train.max_steps={step + 2}", nproc=2)
     assert f"(step {step}, saved by 2 ranks)" in rerun.stdout
-    assert sorted(s for s in train_steps(tmp_path / "preempted") if s > step) == [step + 1, step + 2]
+    assert sorted(s for s in train_steps(run) if s > step) == [step + 1, step + 2]
+    assert not (run / "stopped").exists()  # running again
+
+
+def test_rank0_tokenising_longer_than_the_collective_timeout_still_starts(tmp_path, demo_data):
+    """dist.timeout_minutes=0.1 (6 s) while rank 0 tokenises for 10 s per split: the other rank
+    waits outside the collective timeout, and the run trains."""
+    env = {"SFT_TEST_SLOW_TOKENIZE_S": "10",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])}
+    run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.1", "train.max_steps=2", "eval.every_steps=0",
+             "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2, env=env)
+    assert sorted(train_steps(tmp_path / "slow")) == [1, 2]
 
 
 def test_sigterm_without_torchrun_exits_with_the_requeue_code(tmp_path, demo_data):

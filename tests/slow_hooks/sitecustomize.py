@@ -1,0 +1,31 @@
+"""Test-only slowdowns, loaded by Python at start-up when this folder is on PYTHONPATH.
+
+SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
+SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
+"""
+
+import os
+import time
+
+if os.environ.get("SFT_TEST_SLOW_SAVE_S"):
+    import torch.distributed.checkpoint as dcp
+
+    _save = dcp.save
+
+    def _slow_save(*args, **kwargs):
+        time.sleep(float(os.environ["SFT_TEST_SLOW_SAVE_S"]))
+        return _save(*args, **kwargs)
+
+    dcp.save = _slow_save
+
+if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
+    import datasets
+
+    _map = datasets.Dataset.map
+
+    def _slow_map(self, *args, **kwargs):
+        if str(kwargs.get("desc", "")).startswith("tokenising"):
+            time.sleep(float(os.environ["SFT_TEST_SLOW_TOKENIZE_S"]))
+        return _map(self, *args, **kwargs)
+
+    datasets.Dataset.map = _slow_map
