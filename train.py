@@ -115,14 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.log({"step": step, "eval_loss": loss})
         return loss
 
-    def save(step: int) -> Path | None:
+    def save(step: int, blocking: bool = True) -> Path | None:
         if not cfg.checkpoint.enabled:
             return None
         t0 = time.perf_counter()
         path = ckpt.save(step, model, optimizer, scheduler, {
             "tokens_seen": metrics.tokens_seen, "global_batch": train_batches.sampler.global_batch,
-            "world_size": env.world_size, "first_eval_loss": first_eval})
-        logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+            "world_size": env.world_size, "first_eval_loss": first_eval}, blocking)
+        logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s"
+                       + ("" if blocking or not cfg.checkpoint.async_save else " (training blocked; writing on)"))
         return path
 
     # A resumed run keeps the eval loss of the run's start (no extra full eval per resume).
@@ -143,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
         logger.log(entry)
         profiler.step_ends(step)
+        ckpt.poll()  # commits a background save once every rank has written it
         if stopped:
             break
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total_steps:
-            save(step)
+            save(step, blocking=False)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
             run_eval(step)
 
@@ -162,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if last_eval is not None and first_eval is not None:
             log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
         final = save(total_steps) if start_step < total_steps else resume_from
+    ckpt.close()
     logger.close()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()

@@ -20,6 +20,10 @@
 #   ckpt14b   14B checkpoint save / resume / HF export times
 #   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows;
 #             measured GPU peak, host memory (per rank, node) and tok/s next to the planner's prediction
+#   ckptasync P-7B with asynchronous saves at steps 5 and 10 and the synchronous final save at 12:
+#             training time lost per save, time until committed, resume from the async checkpoint
+#   twonode   slurm/train.slurm under fake srun/scontrol/getent: 2 "nodes" x 2 GPUs on this host, HSDP
+#             (fsdp.replicate_degree=2), losses against the 4-GPU FSDP run
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -226,6 +230,57 @@ print(mb, -r)")
       echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
       RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
         train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
+    ckptasync)
+      p7b_data
+      CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=5 checkpoint.keep_last=1
+          train.overwrite=false)
+      RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async "${CK[@]}" train.max_steps=12
+      grep -E "saved|committed|stage" "$LOGS/p7b-ckpt-async.log"
+      python3 - "$LOGS/p7b-ckpt-async.log" runs/bench/p7b-ckpt-async <<'PY'
+import re, statistics, sys
+from pathlib import Path
+from sft.metrics import read_metrics
+log, run = Path(sys.argv[1]).read_text(), Path(sys.argv[2])
+steps, _ = read_metrics(run)
+blocked = {int(m[1]): float(m[2]) for m in re.finditer(r"saved \S*step-(\d+) in ([\d.]+) s", log)}
+normal = statistics.median(steps[s]["step_time"] for s in steps if s > 2 and s - 1 not in blocked and s - 2 not in blocked)
+for step, seconds in sorted(blocked.items()):
+    extra = sum(max(0.0, steps[s]["step_time"] - normal) for s in (step + 1, step + 2, step + 3) if s in steps)
+    print(f"save at step {step}: training blocked {seconds:.1f} s + {extra:.1f} s slower steps after it "
+          f"(median step {normal:.2f} s)")
+PY
+      rm -f runs/bench/p7b-ckpt-async/finished  # resume from the last (synchronous) checkpoint: 1 more step
+      RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async-resumed "${CK[@]}" train.run_name=p7b-ckpt-async \
+        train.max_steps=13 checkpoint.enabled=false
+      grep -E "resumed" "$LOGS/p7b-ckpt-async-resumed.log"; rm -rf runs/bench/p7b-ckpt-async/checkpoints ;;
+    twonode)  # 2 "nodes" x 2 GPUs through slurm/train.slurm, HSDP; then the same global batch on 4 GPUs, FSDP
+      python3 scripts/demo_data.py --out data/demo >/dev/null
+      shims=$(mktemp -d)
+      printf '#!/bin/bash\nprintf "node1\\nnode2\\n"\n' >"$shims/scontrol"
+      printf '#!/bin/bash\necho "$(hostname) $2"\n' >"$shims/getent"
+      cat >"$shims/srun" <<'SH'
+#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+CUDA_VISIBLE_DEVICES=0,1 "$@" >runs/bench/logs/twonode-node0.log 2>&1 & a=$!
+CUDA_VISIBLE_DEVICES=2,3 "$@" >runs/bench/logs/twonode-node1.log 2>&1 & b=$!
+wait $a; x=$?; wait $b; y=$?; exit $(( x > y ? x : y ))
+SH
+      chmod +x "$shims"/*
+      TWO=(train.max_steps=20 fsdp.param_dtype=bfloat16 checkpoint.enabled=false checkpoint.export_hf=false
+           train.output_dir=runs/bench eval.every_steps=0)
+      PATH="$shims:$PATH" SLURM_JOB_NUM_NODES=2 SLURM_JOB_NODELIST="node[1-2]" SLURM_JOB_ID=4242 GPUS_PER_NODE=2 \
+        OMP_NUM_THREADS=4 timeout 300 bash slurm/train.slurm configs/demo.yaml "${TWO[@]}" train.run_name=twonode-hsdp \
+        fsdp.replicate_degree=2 >"$LOGS/twonode-hsdp.log" 2>&1; echo "twonode-hsdp: exit $?"
+      train twonode-fsdp configs/demo.yaml "${TWO[@]}" train.run_name=twonode-fsdp
+      python3 - <<'PY'
+from pathlib import Path
+from sft.metrics import read_metrics
+a, _ = read_metrics(Path("runs/bench/twonode-hsdp")); b, _ = read_metrics(Path("runs/bench/twonode-fsdp"))
+worst = max(abs(a[s]["loss"] - b[s]["loss"]) / b[s]["loss"] for s in b)
+print(f"2 nodes x 2 GPUs HSDP vs 4 GPUs FSDP, {len(b)} steps: largest relative loss difference {worst:.2e}; "
+      f"final {a[max(a)]['loss']:.4f} vs {b[max(b)]['loss']:.4f}")
+PY
+      ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import json
+from concurrent.futures import Future
 import random
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -148,6 +150,9 @@ class Checkpointer:
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, env: DistEnv):
         self.root = cfg.run_dir / "checkpoints"
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
+        self._pending: tuple[_WrittenByAllRanks, Future] | None = None
+        self._stager: DefaultStager | None = None
+        self._group: dist.ProcessGroup | None = None
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
@@ -210,16 +215,28 @@ class Checkpointer:
         return _read_train_state(path / "train_state.json")
 
     def save(self, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict) -> Path:
-        """Collective: write and commit checkpoints/step-<step>; return its path.
+             scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, blocking: bool = True) -> Path:
+        """Collective: write checkpoints/step-<step> and commit it; return its path.
 
-        Besides the sharded state, hf/ holds the model's config.json and the tokenizer, so the
-        checkpoint exports (sft/export.py) without the original model directory.
+        With `blocking=False` and checkpoint.async_save, training waits only while the sharded
+        state is copied to host memory; the files are written in the background, and the commit
+        (rename, `latest`, retention) happens at the first `poll()` after every rank has finished,
+        or at the next save. At most one save is in flight. Besides the sharded state, hf/ holds
+        the model's config.json and the tokenizer, so the checkpoint exports without the original
+        model directory.
         """
+        self.wait()  # at most one save in flight: the previous one is committed first
         final = self.root / f"step-{step}"
-        with _WrittenByAllRanks(final, self.env, checkpoints=self.root) as tmp:
-            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-            dcp.save(state, checkpoint_id=tmp)
+        commit = _WrittenByAllRanks(final, self.env, checkpoints=self.root)
+        tmp = commit.begin()
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        background: Future | None = None
+        try:
+            # DCP first: its collectives run before any rank can fail alone on the small files.
+            if blocking or not self.cfg.checkpoint.async_save:
+                dcp.save(state, checkpoint_id=tmp)
+            else:
+                background = self._async_save(state, tmp)
             torch.save(_rng_state(), tmp / f"rng-rank{self.env.rank}.pt")
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -227,6 +244,55 @@ class Checkpointer:
                 (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
                 model.config.save_pretrained(tmp / "hf")
                 self.tokenizer.save_pretrained(tmp / "hf")
+        except Exception as e:  # every rank learns of it in finish(), which raises the one clear error
+            if background is not None:
+                background.exception()  # let the background write end before its folder goes
+            commit.finish(e)
+        if background is not None:
+            self._pending = (commit, background)
+            return final
+        commit.finish(None)
+        self._after_commit(final)
+        return final
+
+    def _async_save(self, state: dict, tmp: Path) -> Future:
+        if self._stager is None:
+            on_gpu = self.env.device.type == "cuda"
+            # Pinned host buffers, kept for every later save (pinning ~16 bytes per parameter per
+            # rank again each time would cost seconds); a gloo group of its own, because the
+            # background thread's collectives must not interleave with the training loop's.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
+            self._group = dist.new_group(backend="gloo")
+            staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
+            log0(f"checkpoint: asynchronous saves stage {staged:.1f} GiB per rank in host memory (rank 0's share)")
+        return dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+
+    def poll(self) -> None:
+        """Collective, once per step while a save is in flight: commit it once every rank's
+        background write has finished (never waits for the writes)."""
+        if self._pending is not None:
+            done = torch.tensor([float(self._pending[1].done())], device=self.env.device)
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            if done.item():
+                self.wait()
+
+    def wait(self) -> None:
+        """Collective: finish and commit the save in flight, if any (before the next save, and at
+        the end of the run)."""
+        if self._pending is None:
+            return
+        commit, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+            error = None
+        except Exception as e:
+            error = e
+        commit.finish(error)
+        self._after_commit(commit.final)
+
+    def _after_commit(self, final: Path) -> None:
         if self.env.is_main:
             atomic.write_file(self.root / "latest", final.name + "\n")
             # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
@@ -235,8 +301,22 @@ class Checkpointer:
                 shutil.rmtree(old)
             for leftover in self.root.glob("step-*.tmp"):
                 shutil.rmtree(leftover)
+            log0(f"checkpoint: committed {final}")
         dist.barrier()
-        return final
+
+    def close(self) -> None:
+        """Collective: commit the save in flight and free the staging memory."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+
+
+def _local_tensors(state: dict):
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from _local_tensors(value)
+        elif isinstance(value, torch.Tensor):
+            yield value.to_local() if hasattr(value, "to_local") else value
 
 
 class _WrittenByAllRanks:
@@ -249,7 +329,8 @@ class _WrittenByAllRanks:
         self.final, self.env, self.checkpoints = final, env, checkpoints
         self.tmp = final.with_name(final.name + ".tmp")
 
-    def __enter__(self) -> Path:
+    def begin(self) -> Path:
+        """Collective: create `<final>.tmp` for every rank to write into."""
         def make() -> None:
             try:
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -260,7 +341,8 @@ class _WrittenByAllRanks:
         decided_on_rank0(make)
         return self.tmp
 
-    def __exit__(self, kind, error, _tb) -> None:
+    def finish(self, error: BaseException | None) -> None:
+        """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise."""
         failed = torch.tensor([float(error is not None)], device=self.env.device)
         dist.all_reduce(failed)  # every rank learns whether any rank's write failed
         if not failed.item():
@@ -269,6 +351,12 @@ class _WrittenByAllRanks:
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
         raise self._error(error if error is not None else "another rank's write failed")
+
+    def __enter__(self) -> Path:
+        return self.begin()
+
+    def __exit__(self, kind, error, _tb) -> None:
+        self.finish(error)
 
     def _commit(self) -> None:
         try:
