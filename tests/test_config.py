@@ -34,6 +34,8 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("ac.ratio=1.5", "ac.ratio=1.5: must be in [0, 1]"),
     ("optim.lr=0", "optim.lr=0.0: must be > 0"),
+    ("optim.lr=inf", "optim.lr='inf': expected a finite number"),
+    ("optim.eps=nan", "optim.eps='nan': expected a finite number"),
     ("train.grad_accum_steps=0", "train.grad_accum_steps=0: must be >= 1"),
     ("optim.lrr=1", "optim.lrr: unknown key (valid keys in optim: lr,"),
     ("foo.bar=1", "foo: unknown key"),
@@ -101,3 +103,14 @@ def test_shipped_configs_validate(path, tmp_path, monkeypatch):
             overrides.append(f"data.{key}={tmp_path / Path(value).name}")
     cfg = load_config(path, overrides)
     assert cfg.model.name_or_path and cfg.data.path
+
+
+@pytest.mark.parametrize("key, value", [("name_or_path", "./no/such/model"), ("tokenizer", "/no/such/tokenizer")])
+def test_a_missing_model_directory_names_its_key(key, value):
+    from sft.config import ModelConfig
+    from sft.model import ModelError, load_tokenizer
+
+    cfg = ModelConfig(**{"name_or_path": str(REPO / "configs" / "demo" / "model"), key: value})
+    with pytest.raises(ModelError) as err:
+        load_tokenizer(cfg)
+    assert str(err.value).startswith(f"model.{key}='{value}': no such directory; give an existing model directory")
