@@ -29,7 +29,7 @@
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
@@ -167,6 +167,7 @@ RUNS
 p7b-bf16             configs/bench/p7b.yaml precision.float8=none
 p7b-f8-tensorwise    configs/bench/p7b.yaml precision.float8=tensorwise logging.profile_steps=[9,10]
 p7b-f8-rowwise       configs/bench/p7b.yaml precision.float8=rowwise
+p7b-f8-tensorwise-bf16reduce configs/bench/p7b.yaml precision.float8=tensorwise fsdp.reduce_dtype=bfloat16
 v7b-packed-bf16      configs/bench/v7b.yaml precision.float8=none data.packing=true train.micro_batch_size=2 model.attn_implementation=flex_attention
 v7b-packed-f8-tensorwise configs/bench/v7b.yaml precision.float8=tensorwise data.packing=true train.micro_batch_size=2 model.attn_implementation=flex_attention
 q72b16-bf16          configs/bench/p7b.yaml precision.float8=none model.name_or_path=configs/models/qwen2.5-72b-16blocks ac.ratio=$ac72
