@@ -151,7 +151,6 @@ class Checkpointer:
         self.root = cfg.run_dir / "checkpoints"
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         self._pending: tuple[_WrittenByAllRanks, Future] | None = None
-        self._stager: DefaultStager | None = None
         self._group: dist.ProcessGroup | None = None
 
     def resume_point(self, auto: bool) -> Path | None:
@@ -256,17 +255,20 @@ class Checkpointer:
         return final
 
     def _async_save(self, state: dict, tmp: Path) -> Future:
-        if self._stager is None:
-            on_gpu = self.env.device.type == "cuda"
-            # Pinned host buffers, kept for every later save (pinning ~16 bytes per parameter per
-            # rank again each time would cost seconds); a gloo group of its own, because the
-            # background thread's collectives must not interleave with the training loop's.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
+        if self._group is None:
+            # A gloo group of its own: the background thread's collectives must not interleave
+            # with the training loop's.
             self._group = dist.new_group(backend="gloo")
             staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
             log0(f"checkpoint: asynchronous saves stage {staged:.1f} GiB per rank in host memory (rank 0's share)")
-        return dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=self._stager)
+        # A stager per save, in pageable host memory: torch 2.11's async_save closes the stager it
+        # is given after the write, so pinned buffers cannot be kept between saves, and pinning
+        # them anew cost 21 s per 7B save on 4 H200s (docs/BENCHMARKS.md).
+        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=stager)
+        future.add_done_callback(lambda _: stager.close())
+        return future
 
     def poll(self) -> None:
         """Collective, once per step while a save is in flight: commit it once every rank's
@@ -305,10 +307,8 @@ class Checkpointer:
         dist.barrier()
 
     def close(self) -> None:
-        """Collective: commit the save in flight and free the staging memory."""
+        """Collective: commit the save in flight, if any."""
         self.wait()
-        if self._stager is not None:
-            self._stager.close()
 
 
 def _local_tensors(state: dict):

@@ -190,9 +190,9 @@ class CheckpointConfig:
     """Keep this many committed checkpoints; older ones are deleted after a new one is committed."""
     async_save: bool = True
     """Periodic saves (every_steps) write in the background: training waits only while each rank's
-    shards are copied to host memory (pinned on GPUs, kept between saves: about 16 bytes per
-    parameter / ranks of host memory per rank). The checkpoint is committed once every rank has
-    written it. The final save and the stop-save (SIGTERM/SIGUSR1) are always synchronous."""
+    shards are copied to host memory (about 16 bytes x parameters / ranks per rank, freed after
+    the write). The checkpoint is committed once every rank has written it. The final save and
+    the stop-save (SIGTERM/SIGUSR1) are always synchronous."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint of this run, if any; none: start fresh;
     or the path of a checkpoints/step-N directory."""
