@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
+    # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step.
+    stop = StopRequest(cfg.run_dir / STOP_REQUEST if env.is_main else None,
+                       started_at=time.time() - seconds_since_process_start())
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
@@ -95,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         log0(f"warning: global batch {train_batches.sampler.global_batch} != {state['global_batch']} of the "
              "checkpoint; the data order from here differs from the original run's")
 
-    run.start()  # everything loaded: only now does this run change its directory
     start_step = state["step"]
-    stop = StopRequest(cfg.run_dir / STOP_REQUEST if env.is_main else None,
-                       started_at=time.time() - seconds_since_process_start())
+    run.start(start_step)  # everything loaded: only now does this run change its directory
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
     startup_s = seconds_since_process_start()
@@ -154,17 +155,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # The one shutdown path, for a finished run and for a stop on SIGTERM/SIGUSR1.
     if stopped:
-        save(step)
-        if env.is_main:
+        saved = save(step) is not None
+        if saved and env.is_main:  # the marker a requeue trusts: only after a committed checkpoint
             write_stopped_marker(cfg.run_dir, step, stop.signal_name)
-        log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s request'} with a committed "
-             f"checkpoint; exit code {REQUEUE_EXIT_CODE} asks for a requeue")
+        log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s request'} "
+             + (f"with a committed checkpoint; exit code {REQUEUE_EXIT_CODE} asks for a requeue" if saved
+                else "without a checkpoint (checkpoint.enabled=false): nothing to resume from"))
     else:
         last_eval = run_eval(total_steps)
         if last_eval is not None and first_eval is not None:
             log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
         final = save(total_steps) if start_step < total_steps else resume_from
-    ckpt.close()
+    ckpt.wait()  # a background save still in flight is committed before the end
     logger.close()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
             log0(f"exported a Hugging Face model to {cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
         run.finish()
-    return REQUEUE_EXIT_CODE if stopped else 0
+    return (REQUEUE_EXIT_CODE if saved else 1) if stopped else 0
 
 
 if __name__ == "__main__":

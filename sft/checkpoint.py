@@ -150,7 +150,8 @@ class Checkpointer:
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, env: DistEnv):
         self.root = cfg.run_dir / "checkpoints"
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
-        self._pending: tuple[_WrittenByAllRanks, Future] | None = None
+        # The save in flight: its commit, the background write, and this rank's own error, if any.
+        self._pending: tuple[_WrittenByAllRanks, Future | None, Exception | None] | None = None
         self._group: dist.ProcessGroup | None = None
 
     def resume_point(self, auto: bool) -> Path | None:
@@ -177,7 +178,9 @@ class Checkpointer:
         """Collective: fill the materialised model (and, when resuming, the optimizer and scheduler)
         from the one source that applies; return the train state and what was loaded, for the log."""
         prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
-        prepared_ready = prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None
+        prepared_ready = False
+        if resume_from is None and prepared is not None:
+            prepared_ready = decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None
         fresh = {"step": 0, "tokens_seen": 0}
         if resume_from is not None:
             state = self._load(resume_from, model, optimizer, scheduler)
@@ -229,13 +232,15 @@ class Checkpointer:
         commit = _WrittenByAllRanks(final, self.env, checkpoints=self.root)
         tmp = commit.begin()
         state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        in_background = not blocking and self.cfg.checkpoint.async_save
         background: Future | None = None
+        error: Exception | None = None
         try:
             # DCP first: its collectives run before any rank can fail alone on the small files.
-            if blocking or not self.cfg.checkpoint.async_save:
-                dcp.save(state, checkpoint_id=tmp)
-            else:
+            if in_background:
                 background = self._async_save(state, tmp)
+            else:
+                dcp.save(state, checkpoint_id=tmp)
             torch.save(_rng_state(), tmp / f"rng-rank{self.env.rank}.pt")
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -244,13 +249,12 @@ class Checkpointer:
                 model.config.save_pretrained(tmp / "hf")
                 self.tokenizer.save_pretrained(tmp / "hf")
         except Exception as e:  # every rank learns of it in finish(), which raises the one clear error
-            if background is not None:
-                background.exception()  # let the background write end before its folder goes
-            commit.finish(e)
-        if background is not None:
-            self._pending = (commit, background)
+            error = e
+        if in_background:
+            # Every rank takes this path, failed or not, so all reach finish() together in wait().
+            self._pending = (commit, background, error)
             return final
-        commit.finish(None)
+        commit.finish(error)
         self._after_commit(final)
         return final
 
@@ -262,8 +266,9 @@ class Checkpointer:
             staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
             log0(f"checkpoint: asynchronous saves stage {staged:.1f} GiB per rank in host memory (rank 0's share)")
         # A stager per save, in pageable host memory: torch 2.11's async_save closes the stager it
-        # is given after the write, so pinned buffers cannot be kept between saves, and pinning
-        # them anew cost 21 s per 7B save on 4 H200s (docs/BENCHMARKS.md).
+        # is given after the write, so pinned buffers cannot be kept between saves, and a first
+        # save with pinned staging blocked a 7B run for 21 s on 4 H200s (docs/BENCHMARKS.md),
+        # which we take to be mostly the pinning (pageable staging is not measured yet).
         stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
         future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=stager)
@@ -274,7 +279,8 @@ class Checkpointer:
         """Collective, once per step while a save is in flight: commit it once every rank's
         background write has finished (never waits for the writes)."""
         if self._pending is not None:
-            done = torch.tensor([float(self._pending[1].done())], device=self.env.device)
+            _, background, _ = self._pending
+            done = torch.tensor([float(background is None or background.done())], device=self.env.device)
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
             if done.item():
                 self.wait()
@@ -284,31 +290,35 @@ class Checkpointer:
         the end of the run)."""
         if self._pending is None:
             return
-        commit, future = self._pending
+        commit, background, error = self._pending
         self._pending = None
-        try:
-            future.result()
-            error = None
-        except Exception as e:
-            error = e
+        if background is not None:
+            try:
+                background.result()
+            except Exception as e:
+                error = error or e
         commit.finish(error)
         self._after_commit(commit.final)
 
     def _after_commit(self, final: Path) -> None:
-        if self.env.is_main:
-            atomic.write_file(self.root / "latest", final.name + "\n")
-            # Only now that the new checkpoint is committed: drop old ones and leftovers of saves
-            # that were killed midway (step-N.tmp).
-            for old in _committed(self.root)[self.cfg.checkpoint.keep_last:]:
-                shutil.rmtree(old)
-            for leftover in self.root.glob("step-*.tmp"):
-                shutil.rmtree(leftover)
-            log0(f"checkpoint: committed {final}")
-        dist.barrier()
+        """Collective: point `latest` at the committed `final` and apply retention (rank 0).
 
-    def close(self) -> None:
-        """Collective: commit the save in flight, if any."""
-        self.wait()
+        Only now that the new checkpoint is committed are old ones and leftovers of interrupted
+        saves (step-N.tmp, step-N.old) deleted. A failure here is a warning: resume does not need
+        `latest`, and what was not deleted is deleted after the next save.
+        """
+        def publish() -> None:
+            try:
+                atomic.write_file(self.root / "latest", final.name + "\n")
+                for old in [p for p in _committed(self.root) if p != final][self.cfg.checkpoint.keep_last - 1:]:
+                    shutil.rmtree(old)
+                for leftover in [*self.root.glob("step-*.tmp"), *self.root.glob("step-*.old")]:
+                    shutil.rmtree(leftover)
+                log0(f"checkpoint: committed {final}")
+            except OSError as e:
+                log0(f"checkpoint: committed {final}, but updating {self.root} failed ({e}); continuing")
+        decided_on_rank0(publish)
+
 
 
 def _local_tensors(state: dict):
@@ -342,15 +352,18 @@ class _WrittenByAllRanks:
         return self.tmp
 
     def finish(self, error: BaseException | None) -> None:
-        """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise."""
-        failed = torch.tensor([float(error is not None)], device=self.env.device)
-        dist.all_reduce(failed)  # every rank learns whether any rank's write failed
-        if not failed.item():
+        """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
+        same error on every rank, naming the first failed rank's cause."""
+        causes: list = [None] * self.env.world_size
+        dist.all_gather_object(causes, None if error is None else self._cause(error))
+        failed = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
+        if not failed:
             decided_on_rank0(self._commit)
             return
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        raise self._error(error if error is not None else "another rank's write failed")
+        rank, cause = failed[0]
+        raise self._error(cause if self.env.world_size == 1 else f"rank {rank}: {cause}")
 
     def __enter__(self) -> Path:
         return self.begin()
@@ -365,9 +378,12 @@ class _WrittenByAllRanks:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise self._error(e) from None
 
+    def _cause(self, error: BaseException) -> str:
+        return f"no space left on {self.tmp.parent}" if _no_space(error) else f"{type(error).__name__}: {error}"
+
     def _error(self, cause: BaseException | str) -> CheckpointError:
         if isinstance(cause, BaseException):
-            cause = f"no space left on {self.tmp.parent}" if _no_space(cause) else f"{type(cause).__name__}: {cause}"
+            cause = self._cause(cause)
         previous = _committed(self.checkpoints) if self.checkpoints else []
         kept = f"; the previous checkpoint {previous[0]} is intact" if previous else ""
         error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; free space or fix the permissions "

@@ -38,7 +38,7 @@ from sft.config import ConfigError, DataConfig, UserError, load_config
 from sft.distributed import decided_on_rank0, log0
 from sft import masking
 from sft.collate import collate, collate_packed
-from sft.model import ModelError, load_tokenizer
+from sft.model import load_tokenizer
 from sft.masking import IGNORE_INDEX, DropSample, encode_segments, render_segments, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.

@@ -43,8 +43,9 @@ def process_group_backend(device_type: str, cpu_offload: bool) -> str:
 
     With fsdp.cpu_offload the gradients are host DTensors, so the grad-norm all-reduce runs on CPU
     tensors and needs a CPU backend ("No backend type associated with device type cpu" otherwise).
-    Gloo is added only then: it costs a full TCP mesh between all ranks at start-up, and with a CPU
-    backend in the group, object collectives (broadcast_object_list, gather_object) move to gloo.
+    The default group gets gloo only then: with a CPU backend in it, object collectives
+    (broadcast_object_list, gather_object) move to gloo. (Separate gloo groups serve the long waits
+    for rank 0 and the background checkpoint writes.)
     """
     if device_type != "cuda":
         return "gloo"

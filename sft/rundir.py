@@ -3,7 +3,7 @@ state that only a run which has proven it can start may change.
 
     RunDirectory(cfg, env).open()    lock it, decide the resume point (nothing is written)
     ... data, model, weights and the resume checkpoint are loaded ...
-    run.start()                      ready to train: only now is anything in the directory changed
+    run.start(step)                  ready to train: only now is anything in the directory changed
     run.finish()                     the `finished` marker
 
 * Lock: rank 0 holds an advisory lock (`<output_dir>/.<run_name>.lock`, flock) for the run's
@@ -20,6 +20,7 @@ state that only a run which has proven it can start may change.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shutil
@@ -29,13 +30,13 @@ from pathlib import Path
 from sft import atomic
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
-from sft.preemption import STOP_REQUEST, STOPPED_MARKER
+from sft.preemption import STOPPED_MARKER
 
 FINISHED = "finished"
 OVERWRITTEN = "overwritten"
 # What a run writes at its top level (besides the checkpoints): moved aside together on overwrite.
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "profile", "curves.png", FINISHED,
-              STOPPED_MARKER, STOP_REQUEST)
+              STOPPED_MARKER)
 
 
 class RunDirectory:
@@ -68,6 +69,11 @@ class RunDirectory:
             os.close(fd)
             raise ConfigError(f"{self.path} is in use by another launch ({holder}); wait for it to end, or set "
                               "another train.run_name") from None
+        except OSError as e:  # a filesystem without locks (e.g. Lustre mounted noflock)
+            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                raise
+            log0(f"warning: {parent} does not support file locks ({e.strerror}): nothing stops a second launch of "
+                 "this run from writing into it at the same time")
         os.ftruncate(fd, 0)
         os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, "
                      f"Slurm job {os.environ.get('SLURM_JOB_ID', '-')}\n".encode())
@@ -88,27 +94,40 @@ class RunDirectory:
         the finished run is about to be overwritten (that starts fresh)."""
         return self.cfg.checkpoint.resume == "auto" and not self.finished
 
-    def start(self) -> None:
-        """Collective, once everything is loaded: make the directory this run's own."""
-        if self.env.is_main:
+    def start(self, start_step: int) -> None:
+        """Collective, once everything is loaded and the run starts at `start_step`: make the
+        directory this run's own (rank 0 does the work; a failure stops every rank alike)."""
+        decided_on_rank0(lambda: self._start(start_step))
+
+    def _start(self, start_step: int) -> None:
+        try:
             if self.finished and not self._continues_own_checkpoint():
-                self._move_aside()
+                self._move_aside(_RUN_FILES, "the finished run (train.overwrite)")
+            else:
+                # Checkpoints beyond the start (resume=none, or an older checkpoint of this run, or
+                # damaged ones that were skipped) belong to a line of training this run replaces:
+                # set aside, or retention and `resume: auto` would take them for this run's newest.
+                later = [f"checkpoints/{p.name}" for p in self.checkpoints.glob("step-*")
+                         if p.name.removeprefix("step-").isdigit() and int(p.name.removeprefix("step-")) > start_step]
+                if later:
+                    self._move_aside(later, f"checkpoints after step {start_step}")
             (self.path / FINISHED).unlink(missing_ok=True)
             (self.path / STOPPED_MARKER).unlink(missing_ok=True)  # a requeued run is running again
             self.path.mkdir(parents=True, exist_ok=True)
             atomic.write_file(self.path / "config.yaml", to_yaml(self.cfg))
-            log0(f"run directory {self.path}; resolved config:\n{to_yaml(self.cfg)}")
-        decided_on_rank0(lambda: None)  # every rank waits until the directory is ready
+        except OSError as e:
+            raise ConfigError(f"{self.path}: cannot prepare the run directory ({e}); check its permissions and free "
+                              "space, or set another train.output_dir") from None
+        log0(f"run directory {self.path}; resolved config:\n{to_yaml(self.cfg)}")
 
-    def _move_aside(self) -> None:
+    def _move_aside(self, names, what: str) -> None:
         old = self.path / OVERWRITTEN
-        shutil.rmtree(old, ignore_errors=True)  # a run overwritten twice: the older one goes
-        old.mkdir()
-        for name in _RUN_FILES:
+        shutil.rmtree(old, ignore_errors=True)  # set aside twice: the older set goes
+        for name in names:
             if (self.path / name).exists():
+                (old / name).parent.mkdir(parents=True, exist_ok=True)
                 os.replace(self.path / name, old / name)
-        log0(f"train.overwrite: the finished run in {self.path} was moved to {old}; it is deleted when this run "
-             "finishes")
+        log0(f"run directory: {what} moved to {old}; it is deleted when this run finishes")
 
     def finish(self) -> None:
         """Rank 0: mark the run finished; only now drop the run it overwrote."""

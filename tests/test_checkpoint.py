@@ -126,11 +126,11 @@ def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how)
 
 
 def test_rank0_tokenising_longer_than_the_collective_timeout_still_starts(tmp_path, demo_data):
-    """dist.timeout_minutes=0.1 (6 s) while rank 0 tokenises for 10 s per split: the other rank
+    """dist.timeout_minutes=0.25 (15 s) while rank 0 tokenises for 25 s per split: the other rank
     waits outside the collective timeout, and the run trains."""
-    env = {"SFT_TEST_SLOW_TOKENIZE_S": "10",
+    env = {"SFT_TEST_SLOW_TOKENIZE_S": "25",
            "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])}
-    run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.1", "train.max_steps=2", "eval.every_steps=0",
+    run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.25", "train.max_steps=2", "eval.every_steps=0",
              "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2, env=env)
     assert sorted(train_steps(tmp_path / "slow")) == [1, 2]
 

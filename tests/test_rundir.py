@@ -211,3 +211,28 @@ def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoin
         assert not (ckpt.root / "step-2").exists() and (ckpt.root / "latest").read_text() == "step-1\n"
     finally:
         dist.destroy_process_group()
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_data):
+    """Retention and `resume: auto` must not take the abandoned later checkpoints for this run's."""
+    run = copy_run(finished, "older")
+    (run / "finished").unlink()
+    proc = run_demo(demo_data, finished, "older", "train.max_steps=3", "eval.every_steps=0", "checkpoint.every_steps=1",
+                    "checkpoint.keep_last=1", f"checkpoint.resume={run / 'checkpoints' / 'step-1'}")
+    assert "checkpoints after step 1 moved to" in proc.stdout
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-3"]
+    assert (run / "checkpoints" / "latest").read_text() == "step-3\n" and not (run / "overwritten").exists()
+
+
+def test_one_ranks_failed_background_save_stops_every_rank_with_one_error(tmp_path, demo_data):
+    """Rank 1's part of an asynchronous save fails (full disk): both ranks stop at the commit with
+    the same one-line error instead of waiting for each other in different collectives."""
+    env = {"SFT_TEST_FULL_DISK_RANK": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])}
+    proc = run_demo(demo_data, tmp_path, "full", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=0",
+                    nproc=2, env=env, check=False, timeout=300)
+    error = one_clear_error(proc)
+    assert error.startswith(f"error: saving {tmp_path / 'full' / 'checkpoints' / 'step-2'} failed (rank 1: no space "
+                            "left on")
+    assert not (tmp_path / "full" / "checkpoints" / "step-2").exists()
+    assert not (tmp_path / "full" / "checkpoints" / "step-2.tmp").exists()

@@ -2,6 +2,7 @@
 
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
+SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 """
 
 import os
@@ -29,3 +30,17 @@ if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
         return _map(self, *args, **kwargs)
 
     datasets.Dataset.map = _slow_map
+
+if os.environ.get("SFT_TEST_FULL_DISK_RANK") == os.environ.get("RANK", "-"):
+    import errno
+
+    import torch
+
+    _torch_save = torch.save
+
+    def _full_disk_save(obj, f, *args, **kwargs):
+        if str(f).endswith(f"rng-rank{os.environ['RANK']}.pt"):  # this rank's own checkpoint file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return _torch_save(obj, f, *args, **kwargs)
+
+    torch.save = _full_disk_save
