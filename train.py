@@ -4,9 +4,10 @@
     torchrun --nproc_per_node 8 train.py --config configs/qwen7b.yaml optim.lr=2e-5
     sbatch slurm/train.slurm configs/qwen72b.yaml                 # many nodes
 
-The recipe, top to bottom: config -> distributed init -> data -> model on the meta device ->
-activation checkpointing -> per-block compile -> FSDP2 -> materialise + load weights ->
-optimizer -> training loop with held-out eval. The machinery lives in sft/, one concern a module.
+The recipe, top to bottom: config -> distributed init -> run directory (locked) and resume point ->
+data -> model on the meta device -> float8 -> activation checkpointing -> per-block compile ->
+FSDP2 -> materialise -> optimizer -> restore weights -> training loop with held-out eval -> the one
+shutdown path (final or stop save, export). The machinery lives in sft/, one concern a module.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
     log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
 
-    # Model: built on meta, wrapped in the fixed order AC -> compile -> FSDP, then materialised
-    # shard by shard, so no rank ever holds the full weights.
+    # Model: built on meta, wrapped in the fixed order float8 -> AC -> compile -> FSDP, then
+    # materialised shard by shard, so no rank ever holds the full weights.
     model = build_meta_model(cfg.model)
     if gpu_mem_gib:  # before anything is allocated: would this run fit?
         warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     attach_sft_loss(model)
     model.train()
     rss = host_peak_rss_per_rank(env)
-    log0(f"{loaded} in {time.perf_counter() - t0:.1f} s; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+    log0(f"{loaded} in {time.perf_counter() - t0:.1f} s; {type(model).__name__}, "
+         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
     if state.get("global_batch", train_batches.sampler.global_batch) != train_batches.sampler.global_batch:
         log0(f"warning: global batch {train_batches.sampler.global_batch} != {state['global_batch']} of the "
