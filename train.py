@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             run_eval(step)
 
     # The one shutdown path, for a finished run and for a stop on SIGTERM/SIGUSR1.
+    # Every path saves synchronously, which first commits a background save still in flight.
     if stopped:
         saved = save(step) is not None
         if saved and env.is_main:  # the marker a requeue trusts: only after a committed checkpoint
@@ -163,12 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         log0(f"stopping at step {step} on {stop.signal_name or 'another rank’s request'} "
              + (f"with a committed checkpoint; exit code {REQUEUE_EXIT_CODE} asks for a requeue" if saved
                 else "without a checkpoint (checkpoint.enabled=false): nothing to resume from"))
+        exit_code = REQUEUE_EXIT_CODE if saved else 1
     else:
         last_eval = run_eval(total_steps)
         if last_eval is not None and first_eval is not None:
             log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
         final = save(total_steps) if start_step < total_steps else resume_from
-    ckpt.wait()  # a background save still in flight is committed before the end
+        exit_code = 0
     logger.close()
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
             log0(f"exported a Hugging Face model to {cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
         run.finish()
-    return (REQUEUE_EXIT_CODE if saved else 1) if stopped else 0
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -85,14 +85,14 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(path.name.removeprefix("step-"))
 
 
-def _committed(root: Path) -> list[Path]:
+def committed_checkpoints(root: Path) -> list[Path]:
     """Committed checkpoint directories, newest first."""
     found = [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
-    return sorted(found, key=_step_of, reverse=True)
+    return sorted(found, key=step_of, reverse=True)
 
 
 def checkpoint_problem(path: Path, files: tuple[str, ...] = tuple(_FILES)) -> str | None:
@@ -148,7 +148,7 @@ class Checkpointer:
     including where the initial weights come from when there is nothing to resume."""
 
     def __init__(self, cfg: Config, tokenizer: PreTrainedTokenizerBase, env: DistEnv):
-        self.root = cfg.run_dir / "checkpoints"
+        self.root = cfg.checkpoints_dir
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         # The save in flight: its commit, the background write, and this rank's own error, if any.
         self._pending: tuple[_WrittenByAllRanks, Future | None, Exception | None] | None = None
@@ -166,7 +166,7 @@ class Checkpointer:
             return Path(resume)
         if resume == "none" or not auto:
             return None
-        for candidate in _committed(self.root):
+        for candidate in committed_checkpoints(self.root):
             problem = checkpoint_problem(candidate)
             if problem is None:
                 return candidate
@@ -253,9 +253,8 @@ class Checkpointer:
         if in_background:
             # Every rank takes this path, failed or not, so all reach finish() together in wait().
             self._pending = (commit, background, error)
-            return final
-        commit.finish(error)
-        self._after_commit(final)
+        else:
+            self._commit(commit, error)
         return final
 
     def _async_save(self, state: dict, tmp: Path) -> Future:
@@ -297,20 +296,23 @@ class Checkpointer:
                 background.result()
             except Exception as e:
                 error = error or e
-        commit.finish(error)
-        self._after_commit(commit.final)
+        self._commit(commit, error)
 
-    def _after_commit(self, final: Path) -> None:
-        """Collective: point `latest` at the committed `final` and apply retention (rank 0).
+    def _commit(self, commit: _WrittenByAllRanks, error: Exception | None) -> None:
+        """Collective: commit the written checkpoint (or raise every rank's one error), then point
+        `latest` at it and apply retention (rank 0).
 
         Only now that the new checkpoint is committed are old ones and leftovers of interrupted
         saves (step-N.tmp, step-N.old) deleted. A failure here is a warning: resume does not need
         `latest`, and what was not deleted is deleted after the next save.
         """
+        commit.finish(error)
+        final = commit.final
+
         def publish() -> None:
             try:
                 atomic.write_file(self.root / "latest", final.name + "\n")
-                for old in [p for p in _committed(self.root) if p != final][self.cfg.checkpoint.keep_last - 1:]:
+                for old in [p for p in committed_checkpoints(self.root) if p != final][self.cfg.checkpoint.keep_last - 1:]:
                     shutil.rmtree(old)
                 for leftover in [*self.root.glob("step-*.tmp"), *self.root.glob("step-*.old")]:
                     shutil.rmtree(leftover)
@@ -318,7 +320,6 @@ class Checkpointer:
             except OSError as e:
                 log0(f"checkpoint: committed {final}, but updating {self.root} failed ({e}); continuing")
         decided_on_rank0(publish)
-
 
 
 def _local_tensors(state: dict):
@@ -384,7 +385,7 @@ class _WrittenByAllRanks:
     def _error(self, cause: BaseException | str) -> CheckpointError:
         if isinstance(cause, BaseException):
             cause = self._cause(cause)
-        previous = _committed(self.checkpoints) if self.checkpoints else []
+        previous = committed_checkpoints(self.checkpoints) if self.checkpoints else []
         kept = f"; the previous checkpoint {previous[0]} is intact" if previous else ""
         error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; free space or fix the permissions "
                                 "of train.output_dir, then rerun: the run resumes from its last checkpoint")

@@ -257,6 +257,10 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.train.output_dir) / self.train.run_name
 
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
 
 def _range_checks(cfg: Config) -> list[str]:
     """Cross-field and value checks; each entry is 'key=value: what is wrong and what to do'."""

@@ -115,16 +115,17 @@ def decided_on_rank0(decide: Callable[[], T], long_wait: bool = False) -> T:
     work that can take longer than dist.timeout_minutes (tokenising a large dataset).
     """
     outcome: list = [None]
+    crash: BaseException | None = None
     if dist.get_rank() == 0:
         try:
             outcome[0] = ("ok", decide())
         except UserError as e:
             outcome[0] = ("error", e)
         except BaseException as e:
-            outcome[0] = ("crash", f"{type(e).__name__}: {e}")
-            dist.broadcast_object_list(outcome, src=0, group=_long_wait_group if long_wait else None)
-            raise
+            outcome[0], crash = ("crash", f"{type(e).__name__}: {e}"), e
     dist.broadcast_object_list(outcome, src=0, group=_long_wait_group if long_wait else None)
+    if crash is not None:
+        raise crash  # rank 0 keeps its own traceback
     kind, value = outcome[0]
     if kind == "error":
         value.shared = True  # raised alike on every rank: reported once, by rank 0

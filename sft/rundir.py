@@ -28,6 +28,7 @@ import socket
 from pathlib import Path
 
 from sft import atomic
+from sft.checkpoint import committed_checkpoints, step_of
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.preemption import STOPPED_MARKER
@@ -42,7 +43,7 @@ _RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "pr
 class RunDirectory:
     def __init__(self, cfg: Config, env: DistEnv):
         self.cfg, self.env, self.path = cfg, env, cfg.run_dir
-        self.checkpoints = self.path / "checkpoints"
+        self.checkpoints = cfg.checkpoints_dir
         self._lock_fd: int | None = None
 
     @property
@@ -107,8 +108,8 @@ class RunDirectory:
                 # Checkpoints beyond the start (resume=none, or an older checkpoint of this run, or
                 # damaged ones that were skipped) belong to a line of training this run replaces:
                 # set aside, or retention and `resume: auto` would take them for this run's newest.
-                later = [f"checkpoints/{p.name}" for p in self.checkpoints.glob("step-*")
-                         if p.name.removeprefix("step-").isdigit() and int(p.name.removeprefix("step-")) > start_step]
+                later = [f"checkpoints/{p.name}" for p in committed_checkpoints(self.checkpoints)
+                         if step_of(p) > start_step]
                 if later:
                     self._move_aside(later, f"checkpoints after step {start_step}")
             (self.path / FINISHED).unlink(missing_ok=True)

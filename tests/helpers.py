@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,31 @@ def synthetic_global_batch(num_samples: int = 8, vocab: int = 800, seed: int = 0
         labels[start:end] = ids[start:end]
         samples.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
     return samples
+
+
+def with_test_hooks(**variables: str) -> dict[str, str]:
+    """Environment that loads tests/slow_hooks/sitecustomize.py (test-only slow saves, slow
+    tokenisation, a full disk on one rank) with the given SFT_TEST_* variables."""
+    path = os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path, **variables}
+
+
+def start_in_background(args: list[str], nproc: int | None, env: dict | None = None) -> subprocess.Popen:
+    """Start `train.py ...` args under torchrun with `nproc` ranks (or as plain python when None),
+    without waiting, for tests that signal or race a running run."""
+    launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        f"--nproc_per_node={nproc}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.Popen([*launcher, *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> None:
+    """Wait until the running `proc` has logged optimizer step `step` to run_dir/metrics.jsonl."""
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + timeout
+    while not (metrics.exists() and f'"step": {step},' in metrics.read_text()):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.2)
 
 
 def demo_args(data: Path, out: Path, name: str, *overrides: str) -> list[str]:

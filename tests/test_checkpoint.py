@@ -6,12 +6,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from helpers import REPO, demo_args, eval_losses, run_demo, run_torchrun, train_losses as train_steps
+from helpers import (REPO, demo_args, eval_losses, run_demo, run_torchrun, start_in_background,
+                     train_losses as train_steps, wait_for_step, with_test_hooks)
 from sft.preemption import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -95,17 +95,10 @@ STOP_WAYS = {"stop-request file": {}, "SIGTERM": {"TORCH_ELASTIC_SHUTDOWN_TIMEOU
 
 @pytest.mark.parametrize("how", list(STOP_WAYS))
 def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           *demo(demo_data, tmp_path, "preempted", "train.max_steps=1000")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "SFT_TEST_SLOW_SAVE_S": "32",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")]),
-           **STOP_WAYS[how]}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_in_background(demo(demo_data, tmp_path, "preempted", "train.max_steps=1000"), nproc=2,
+                               env={**with_test_hooks(SFT_TEST_SLOW_SAVE_S="32"), **STOP_WAYS[how]})
     run = tmp_path / "preempted"
-    deadline = time.time() + 240
-    while not ((run / "metrics.jsonl").exists() and '"step": 2,' in (run / "metrics.jsonl").read_text()):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.2)
+    wait_for_step(proc, run, 2)
     if how == "SIGTERM":
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the workers
     else:
@@ -128,21 +121,15 @@ def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how)
 def test_rank0_tokenising_longer_than_the_collective_timeout_still_starts(tmp_path, demo_data):
     """dist.timeout_minutes=0.25 (15 s) while rank 0 tokenises for 25 s per split: the other rank
     waits outside the collective timeout, and the run trains."""
-    env = {"SFT_TEST_SLOW_TOKENIZE_S": "25",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])}
     run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.25", "train.max_steps=2", "eval.every_steps=0",
-             "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2, env=env)
+             "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2,
+             env=with_test_hooks(SFT_TEST_SLOW_TOKENIZE_S="25"))
     assert sorted(train_steps(tmp_path / "slow")) == [1, 2]
 
 
 def test_sigterm_without_torchrun_exits_with_the_requeue_code(tmp_path, demo_data):
-    cmd = [sys.executable, "train.py", *demo(demo_data, tmp_path, "single", "train.max_steps=1000")[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "single" / "metrics.jsonl"
-    while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.2)
+    proc = start_in_background(demo(demo_data, tmp_path, "single", "train.max_steps=1000"), nproc=None)
+    wait_for_step(proc, tmp_path / "single", 1)
     proc.send_signal(signal.SIGUSR1)
     proc.communicate(timeout=120)
     assert proc.returncode == REQUEUE_EXIT_CODE

@@ -10,14 +10,12 @@ import errno
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from helpers import REPO, demo_args, eval_losses, run_demo, run_torchrun, train_losses
+from helpers import (REPO, demo_args, eval_losses, run_demo, run_torchrun, start_in_background, train_losses,
+                     wait_for_step, with_test_hooks)
 from sft.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
@@ -129,23 +127,18 @@ def test_resuming_into_another_architecture_is_one_clear_error(finished, demo_da
 
 def test_exports_and_checkpoints_are_readable_by_the_group(finished):
     run = finished / "done"
-    assert os.umask(0o022) == 0o022  # the usual umask, under which files must come out 0644
+    mask = os.umask(0)
+    os.umask(mask)  # read it back: the runs wrote under this umask (022 as usual: 0644 files)
     for path in [*(run / "export").iterdir(), *(run / "checkpoints" / "step-2").iterdir()]:
         if path.is_file():
-            assert path.stat().st_mode & 0o777 == 0o644, path
+            assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
 
 
 def test_a_second_launch_of_a_running_run_refuses(tmp_path, demo_data):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           *demo_args(demo_data, tmp_path, "busy", "train.max_steps=1000", "eval.every_steps=0")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = start_in_background(demo_args(demo_data, tmp_path, "busy", "train.max_steps=1000", "eval.every_steps=0"),
+                                nproc=1)
     try:
-        metrics = tmp_path / "busy" / "metrics.jsonl"
-        deadline = time.time() + 240
-        while not (metrics.exists() and '"step": 1,' in metrics.read_text()):
-            assert first.poll() is None and time.time() < deadline, first.communicate()
-            time.sleep(0.2)
+        wait_for_step(first, tmp_path / "busy", 1)
         second = run_demo(demo_data, tmp_path, "busy", "train.max_steps=1000", check=False)
         error = one_clear_error(second)
         assert "is in use by another launch (host " in error
@@ -227,10 +220,8 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_d
 def test_one_ranks_failed_background_save_stops_every_rank_with_one_error(tmp_path, demo_data):
     """Rank 1's part of an asynchronous save fails (full disk): both ranks stop at the commit with
     the same one-line error instead of waiting for each other in different collectives."""
-    env = {"SFT_TEST_FULL_DISK_RANK": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "slow_hooks"), os.environ.get("PYTHONPATH", "")])}
     proc = run_demo(demo_data, tmp_path, "full", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=0",
-                    nproc=2, env=env, check=False, timeout=300)
+                    nproc=2, env=with_test_hooks(SFT_TEST_FULL_DISK_RANK="1"), check=False, timeout=300)
     error = one_clear_error(proc)
     assert error.startswith(f"error: saving {tmp_path / 'full' / 'checkpoints' / 'step-2'} failed (rank 1: no space "
                             "left on")
