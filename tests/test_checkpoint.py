@@ -70,7 +70,7 @@ def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data)
     shard.write_bytes(shard.read_bytes()[:1000])
     proc = run_demo(demo_data, continuous, "damaged", "eval.every_steps=0", "train.max_steps=6",
                     "train.micro_batch_size=4", nproc=2)
-    assert "skipping" in proc.stdout and "is missing or truncated" in proc.stdout
+    assert "skipping" in proc.stdout and "is missing or truncated" in proc.stdout, proc.stdout
     assert "resumed from" in proc.stdout and "step-3 (step 3" in proc.stdout
     assert sorted(train_steps(run)) == [4, 5, 6]
     assert not (run / "checkpoints" / "step-9.tmp").exists()  # cleaned once a new save committed
