@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import errno
 import json
-from concurrent.futures import Future
 import random
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +47,6 @@ from sft import atomic
 from sft.config import Config, UserError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.model import initial_weights, load_weights
-
 
 
 def _read_train_state(path: Path) -> dict:
@@ -152,7 +151,9 @@ class Checkpointer:
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         # The save in flight: its commit, the background write, and this rank's own error, if any.
         self._pending: tuple[_WrittenByAllRanks, Future | None, Exception | None] | None = None
-        self._group: dist.ProcessGroup | None = None
+        self._group: dist.ProcessGroup | None = None  # the rest is made by the first asynchronous save
+        self._writer: ThreadPoolExecutor | None = None
+        self._stager: DefaultStager | None = None
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
@@ -259,20 +260,23 @@ class Checkpointer:
 
     def _async_save(self, state: dict, tmp: Path) -> Future:
         if self._group is None:
-            # A gloo group of its own: the background thread's collectives must not interleave
-            # with the training loop's.
+            # A gloo group and a writer thread of their own: the background collectives must not
+            # interleave with the training loop's.
             self._group = dist.new_group(backend="gloo")
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            # One stager for the run: it keeps its host buffers (pinned on GPUs) from save to save,
+            # so only the first save pays for allocating and pinning them.
+            on_gpu = self.env.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
             staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
-            log0(f"checkpoint: asynchronous saves stage {staged:.1f} GiB per rank in host memory (rank 0's share)")
-        # A stager per save, in pageable host memory: torch 2.11's async_save closes the stager it
-        # is given after the write, so pinned buffers cannot be kept between saves, and a first
-        # save with pinned staging blocked a 7B run for 21 s on 4 H200s (docs/BENCHMARKS.md),
-        # which we take to be mostly the pinning (pageable staging is not measured yet).
-        stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=False))
-        future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, async_stager=stager)
-        future.add_done_callback(lambda _: stager.close())
-        return future
+            log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of "
+                 f"{'pinned ' if on_gpu else ''}host memory for staging (rank 0's share)")
+        # Training waits only for this copy. The write runs dcp.save in our own thread rather than
+        # through dcp.async_save, which on torch 2.11 closes (empties) the stager it is given.
+        # The staged buffers are reused: save() waits for the previous write before staging again.
+        staged_state = self._stager.stage(state)
+        return self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
 
     def poll(self) -> None:
         """Collective, once per step while a save is in flight: commit it once every rank's

@@ -23,27 +23,28 @@ def demo(data, out, name, *overrides):
 
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory, demo_data):
-    """6 steps on 2 ranks, checkpoints at 3 and 6, data shuffled (fp32)."""
+    """6 steps on 2 ranks, data shuffled (fp32), checkpoints at 2 and 4 (asynchronous: the second
+    reuses the first one's staging buffers) and 6 (the final save, synchronous); keep_last 2."""
     out = tmp_path_factory.mktemp("ckpt")
-    run_demo(demo_data, out, "continuous", "eval.every_steps=0", "train.max_steps=6", "checkpoint.every_steps=3",
+    run_demo(demo_data, out, "continuous", "eval.every_steps=0", "train.max_steps=6", "checkpoint.every_steps=2",
              "train.micro_batch_size=4", nproc=2)
     return out
 
 
-def resume_from_step3(continuous, demo_data, name, nproc, *overrides):
+def resume_from_step4(continuous, demo_data, name, nproc, *overrides):
     target = continuous / name / "checkpoints"
     target.mkdir(parents=True)
-    shutil.copytree(continuous / "continuous" / "checkpoints" / "step-3", target / "step-3")
+    shutil.copytree(continuous / "continuous" / "checkpoints" / "step-4", target / "step-4")
     proc = run_demo(demo_data, continuous, name, "eval.every_steps=0", "train.max_steps=6",
-                    "checkpoint.every_steps=3", *overrides, nproc=nproc)
-    assert f"resumed from {target / 'step-3'} (step 3, saved by 2 ranks) in" in proc.stdout
+                    "checkpoint.every_steps=2", *overrides, nproc=nproc)
+    assert f"resumed from {target / 'step-4'} (step 4, saved by 2 ranks) in" in proc.stdout
     return train_steps(continuous / name)
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(continuous, demo_data):
     reference = train_steps(continuous / "continuous")
-    resumed = resume_from_step3(continuous, demo_data, "resumed", 2, "train.micro_batch_size=4")
-    assert sorted(resumed) == [4, 5, 6]
+    resumed = resume_from_step4(continuous, demo_data, "resumed", 2, "train.micro_batch_size=4")
+    assert sorted(resumed) == [5, 6]
     for step, values in resumed.items():
         assert values == reference[step]  # exact: same ranks, same data order, same RNG
 
@@ -52,7 +53,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(continuous, demo_data):
     """DCP reshards model and optimizer; the same global batch (4 x 2 ranks = 4 x 2 grad-acc)
     keeps the data order; only the reduction order differs."""
     reference = train_steps(continuous / "continuous")
-    resumed = resume_from_step3(continuous, demo_data, "one_rank", 1, "train.micro_batch_size=4",
+    resumed = resume_from_step4(continuous, demo_data, "one_rank", 1, "train.micro_batch_size=4",
                                 "train.grad_accum_steps=2")
     for step, (loss, norm) in resumed.items():
         assert loss == pytest.approx(reference[step][0], rel=1e-5)
@@ -71,8 +72,8 @@ def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data)
     proc = run_demo(demo_data, continuous, "damaged", "eval.every_steps=0", "train.max_steps=6",
                     "train.micro_batch_size=4", nproc=2)
     assert "skipping" in proc.stdout and "is missing or truncated" in proc.stdout, proc.stdout
-    assert "resumed from" in proc.stdout and "step-3 (step 3" in proc.stdout
-    assert sorted(train_steps(run)) == [4, 5, 6]
+    assert "resumed from" in proc.stdout and "step-4 (step 4" in proc.stdout
+    assert sorted(train_steps(run)) == [5, 6]
     assert not (run / "checkpoints" / "step-9.tmp").exists()  # cleaned once a new save committed
     assert (run / "checkpoints" / "latest").read_text() == "step-6\n"
 
