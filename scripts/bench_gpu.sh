@@ -13,9 +13,10 @@
 #   float8    precision.float8 none vs tensorwise vs rowwise: P-7B (tensorwise traces steps 9-10), V-7B packed,
 #             Qwen2.5-72B widths with 16 of 80 blocks (mb 2, seq 4096; AC72=ratio, default 0 on >100 GB cards
 #             else 1); ONLY=regex runs the matching runs. Needs torchao (a wheel in .whl/)
-#   float8numerics  a 0.39B model learns the demo chats, 400 steps, one GPU per run, in parallel: bf16,
-#             tensorwise, rowwise (same seed) and bf16 with seed 1 (the run-to-run spread);
-#             scripts/plot_float8.py prints the eval losses and writes docs/float8_numerics.png
+#   float8numerics  a 0.39B model learns byte-level Python source (scripts/text_tokens.py), 1200 steps,
+#             one GPU per run: F8RUNS="recipe:seed ..." (default bf16 / tensorwise / rowwise on seeds 0-1,
+#             bf16 and tensorwise on seed 2); scripts/plot_float8.py compares each float8 run with the
+#             bf16 run of its seed and writes docs/float8_numerics.png
 #   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
 #   ckpt14b   14B checkpoint save / resume / HF export times
 #   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows;
@@ -178,21 +179,20 @@ RUNS
       python3 scripts/bench_summary.py runs/bench/{p7b-bf16,p7b-f8-*,v7b-packed-bf16,v7b-packed-f8-*,q72b16-*}/ --warmup 4 |
         tee runs/bench/float8.md
       echo "stage float8 took $((SECONDS - t_stage)) s" ;;
-    float8numerics)  # 4 one-GPU runs at once (with fewer GPUs, in waves); a failed run leaves the others
+    float8numerics)  # one-GPU runs, NGPU at a time (in waves); a failed run leaves the others
       t_stage=$SECONDS
-      python3 scripts/demo_data.py --out data/float8num --train 8000 --eval 400
+      python3 scripts/text_tokens.py --out data/float8num
       gpu=0; pids=()
-      for run in "bf16 none 0" "tensorwise tensorwise 0" "rowwise rowwise 0" "bf16-seed1 none 1"; do
-        read -r name recipe seed <<<"$run"
+      for run in ${F8RUNS:-none:0 tensorwise:0 rowwise:0 none:1 tensorwise:1 rowwise:1 none:2 tensorwise:2}; do
+        recipe=${run%:*} seed=${run#*:}
         (
-          CUDA_VISIBLE_DEVICES=$gpu NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "f8num-$name" \
+          CUDA_VISIBLE_DEVICES=$gpu NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "f8num-$recipe-s$seed" \
             configs/bench/float8_numerics.yaml precision.float8="$recipe" train.seed="$seed"
-          [ "$recipe" = none ] || float8_applied "f8num-$name"
+          [ "$recipe" = none ] || float8_applied "f8num-$recipe-s$seed"
         ) &
         pids+=($!); gpu=$(((gpu + 1) % NGPU)); [ $gpu -eq 0 ] && wait "${pids[@]}" && pids=()
       done; wait
-      python3 scripts/plot_float8.py runs/bench/f8num-{bf16,tensorwise,rowwise} --noise runs/bench/f8num-bf16-seed1 \
-        --out docs/float8_numerics.png | tee runs/bench/float8_numerics.md
+      python3 scripts/plot_float8.py runs/bench/f8num-*/ --out docs/float8_numerics.png | tee runs/bench/float8_numerics.md
       cp docs/float8_numerics.png runs/bench/ 2>/dev/null
       echo "stage float8numerics took $((SECONDS - t_stage)) s" ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto

@@ -1,11 +1,11 @@
-"""Compare float8 runs with their bf16 baseline: final held-out losses, relative differences, a plot.
+"""Compare float8 runs with bf16: final held-out losses, relative differences, a plot.
 
-    python scripts/plot_float8.py runs/bench/f8num-bf16 runs/bench/f8num-tensorwise runs/bench/f8num-rowwise \
-        --noise runs/bench/f8num-bf16-seed1 --out docs/float8_numerics.png
+    python scripts/plot_float8.py runs/bench/f8num-*/ --out docs/float8_numerics.png
 
-The first run is the baseline. `--noise`: a bf16 run with another seed (init and data order), to
-show how far two bf16 runs land apart, the scale against which float8's difference is judged.
-Prints a markdown table (for docs/BENCHMARKS.md); the plot needs matplotlib.
+Each run's recipe and seed come from its config.yaml (precision.float8, train.seed). A float8 run is
+compared with the bf16 run of the same seed (same init and data order: the difference is float8's
+alone); the spread of the bf16 runs over seeds is the scale against which that difference is judged.
+Prints markdown tables (for docs/BENCHMARKS.md); the plot needs matplotlib.
 """
 
 from __future__ import annotations
@@ -14,24 +14,27 @@ import argparse
 import statistics
 from pathlib import Path
 
+import yaml
+
 from sft.metrics import read_metrics
 
 # The issue's acceptance bound: float8's final eval loss within 2% of bf16's.
 TOLERANCE = 0.02
+COLOURS = {"none": "tab:blue", "tensorwise": "tab:orange", "rowwise": "tab:green"}
 
 
 def summary(run_dir: Path) -> dict:
     steps, evals = read_metrics(run_dir)
     if not evals:
         raise SystemExit(f"{run_dir}: no eval_loss in metrics.jsonl (did the run finish?)")
-    last = [steps[s]["loss"] for s in sorted(steps)[-20:]]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
     steady = [steps[s]["tokens_per_s_per_gpu"] for s in sorted(steps)[5:]] or [float("nan")]
-    return {"run": run_dir.name, "steps": max(steps), "final eval loss": evals[max(evals)],
-            "train loss (last 20 steps)": statistics.mean(last), "tok/s/GPU": statistics.median(steady),
+    return {"run": run_dir.name, "recipe": config["precision"]["float8"], "seed": config["train"]["seed"],
+            "steps": max(steps), "final": evals[max(evals)], "tok/s/GPU": statistics.median(steady),
             "evals": evals, "train": {s: steps[s]["loss"] for s in sorted(steps)}}
 
 
-def plot(runs: list[dict], out: Path) -> None:
+def plot(runs: list[dict], bf16: dict[int, dict], out: Path) -> None:
     try:
         import matplotlib
     except ImportError:
@@ -40,23 +43,24 @@ def plot(runs: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_eval, ax_rel, ax_train) = plt.subplots(1, 3, figsize=(16, 4))
-    base = runs[0]["evals"]
     for run in runs:
+        style = dict(color=COLOURS.get(run["recipe"]), ls=("-", "--", ":", "-.")[run["seed"] % 4],
+                     label=f"{'bf16' if run['recipe'] == 'none' else run['recipe']}, seed {run['seed']}")
         evals, train = run["evals"], run["train"]
-        ax_eval.plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", ms=3, label=run["run"])
-        # the curves overlap on a log scale: the relative gap to bf16 at each eval shows more
-        common = sorted(set(evals) & set(base))
-        ax_rel.plot(common, [100 * (evals[s] / base[s] - 1) for s in common], "o-", ms=3, label=run["run"])
-        # 10-step running mean: the per-step loss of a 16-conversation batch is noisy
-        steps = sorted(train)
-        smooth = [statistics.mean(train[t] for t in steps[max(0, i - 9):i + 1]) for i in range(len(steps))]
-        ax_train.plot(steps, smooth, lw=1, label=run["run"])
-    ax_eval.set(xlabel="step", ylabel="held-out loss per supervised token", yscale="log", title="eval loss")
+        ax_eval.plot(sorted(evals), [evals[s] for s in sorted(evals)], marker="o", ms=3, **style)
+        base = bf16.get(run["seed"])
+        if base is not None and run["recipe"] != "none":
+            common = sorted(set(evals) & set(base["evals"]))
+            ax_rel.plot(common, [100 * (evals[s] / base["evals"][s] - 1) for s in common], marker="o", ms=3, **style)
+        steps = sorted(train)  # 20-step running mean: one batch's loss is noisy
+        smooth = [statistics.mean(train[t] for t in steps[max(0, i - 19):i + 1]) for i in range(len(steps))]
+        ax_train.plot(steps, smooth, lw=1, **style)
+    ax_eval.set(xlabel="step", ylabel="held-out loss per token", yscale="log", title="eval loss")
     ax_rel.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="green", alpha=0.1, label=f"±{TOLERANCE:.0%}")
-    ax_rel.set(xlabel="step", ylabel="eval loss vs the bf16 run (%)", title="relative difference")
-    ax_train.set(xlabel="step", ylabel="training loss (10-step mean)", yscale="log", title="training loss")
+    ax_rel.set(xlabel="step", ylabel="eval loss vs bf16 of the same seed (%)", title="float8 - bf16, same seed")
+    ax_train.set(xlabel="step", ylabel="training loss (20-step mean)", yscale="log", title="training loss")
     for ax in (ax_eval, ax_rel, ax_train):
-        ax.legend()
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -65,26 +69,37 @@ def plot(runs: list[dict], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="baseline (bf16) run first, then the float8 runs")
-    parser.add_argument("--noise", type=Path, action="append", default=[], help="bf16 runs with another seed")
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (bf16 and float8, one or more seeds)")
     parser.add_argument("--out", type=Path, default=Path("docs/float8_numerics.png"))
     args = parser.parse_args()
-    found = [r for r in args.runs + args.noise if (r / "metrics.jsonl").is_file()]
-    missing = [str(r) for r in args.runs + args.noise if r not in found]
+    missing = [str(r) for r in args.runs if not (r / "metrics.jsonl").is_file()]
     if missing:
         print(f"missing runs (left out): {', '.join(missing)}")
-    if not found or found[0] != args.runs[0]:
-        raise SystemExit(f"the baseline {args.runs[0]} has no metrics.jsonl")
-    runs = [summary(r) for r in found]
-    base = runs[0]["final eval loss"]
-    print("| run | steps | final eval loss | vs bf16 | train loss (last 20) | tok/s/GPU | within 2% |")
+    runs = sorted((summary(r) for r in args.runs if str(r) not in missing), key=lambda r: (r["recipe"] != "none", r["recipe"], r["seed"]))
+    bf16 = {r["seed"]: r for r in runs if r["recipe"] == "none"}
+    if not bf16:
+        raise SystemExit("no bf16 run (precision.float8: none) to compare with")
+    print("| run | recipe | seed | steps | final eval loss | vs bf16, same seed | tok/s/GPU |")
     print("|---|---|---|---|---|---|---|")
     for run in runs:
-        rel = run["final eval loss"] / base - 1
-        print(f"| {run['run']} | {run['steps']} | {run['final eval loss']:.4f} | {rel:+.2%} | "
-              f"{run['train loss (last 20 steps)']:.4f} | {run['tok/s/GPU']:,.0f} | "
-              f"{'yes' if abs(rel) <= TOLERANCE else 'NO'} |")
-    plot(runs, args.out)
+        base = bf16.get(run["seed"])
+        rel = f"{run['final'] / base['final'] - 1:+.2%}" if base and run["recipe"] != "none" else ""
+        print(f"| {run['run']} | {run['recipe']} | {run['seed']} | {run['steps']} | {run['final']:.4f} | {rel} | "
+              f"{run['tok/s/GPU']:,.0f} |")
+    finals = [r["final"] for r in bf16.values()]
+    spread = (max(finals) - min(finals)) / statistics.mean(finals)
+    print(f"\nbf16 over {len(finals)} seeds: mean {statistics.mean(finals):.4f}, spread (max - min) / mean {spread:.2%}\n")
+    print("| recipe | seeds | mean final eval loss | vs bf16 mean | largest same-seed difference | within 2% |")
+    print("|---|---|---|---|---|---|")
+    for recipe in sorted({r["recipe"] for r in runs} - {"none"}):
+        group = [r for r in runs if r["recipe"] == recipe]
+        mean = statistics.mean(r["final"] for r in group)
+        paired = [r["final"] / bf16[r["seed"]]["final"] - 1 for r in group if r["seed"] in bf16]
+        worst = max(paired, key=abs) if paired else float("nan")
+        rel = mean / statistics.mean(finals) - 1
+        print(f"| {recipe} | {len(group)} | {mean:.4f} | {rel:+.2%} | {worst:+.2%} | "
+              f"{'yes' if abs(rel) <= TOLERANCE and abs(worst) <= TOLERANCE else 'NO'} |")
+    plot(runs, bf16, args.out)
     print(f"wrote {args.out}")
 
 
