@@ -17,6 +17,7 @@ import math
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,16 @@ class UserError(Exception):
     (decided on rank 0, or from the same config): rank 0 alone reports it."""
 
     shared = False
+
+
+def run_command(main: Callable[[], object]) -> None:
+    """Run a `python -m sft.<tool>` entry point: bad input is one line on stderr and exit status 2,
+    never a traceback (train.py does the same once per job)."""
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 class ConfigError(UserError):
@@ -262,7 +273,7 @@ class Config:
         return self.run_dir / "checkpoints"
 
 
-def _range_checks(cfg: Config) -> list[str]:
+def _range_checks(cfg: Config, local_files: bool) -> list[str]:
     """Cross-field and value checks; each entry is 'key=value: what is wrong and what to do'."""
     problems = []
 
@@ -303,8 +314,8 @@ def _range_checks(cfg: Config) -> list[str]:
           "exports from the final checkpoint: needs checkpoint.enabled=true")
     check(cfg.dist.timeout_minutes > 0, "dist.timeout_minutes", cfg.dist.timeout_minutes, "must be > 0")
     check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    check(cfg.checkpoint.resume in ("auto", "none") or Path(cfg.checkpoint.resume).is_dir(), "checkpoint.resume",
-          cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")
+    check(cfg.checkpoint.resume in ("auto", "none") or not local_files or Path(cfg.checkpoint.resume).is_dir(),
+          "checkpoint.resume", cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")
     for key, enabled, package in (("logging.tensorboard", cfg.logging.tensorboard, "tensorboard"),
                                   ("logging.wandb_project", cfg.logging.wandb_project, "wandb")):
         check(not enabled or importlib.util.find_spec(package) is not None, key, enabled,
@@ -315,7 +326,7 @@ def _range_checks(cfg: Config) -> list[str]:
     check(cfg.logging.profile_steps is None or 1 <= cfg.logging.profile_steps[0] <= cfg.logging.profile_steps[1],
           "logging.profile_steps", cfg.logging.profile_steps, "must be [first, last] with 1 <= first <= last")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and _looks_like_local_file(value):
+        if value and local_files and _looks_like_local_file(value):
             check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
     return problems
 
@@ -451,8 +462,10 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read YAML at `path` (may be None), apply `key.sub=value` overrides, validate, return Config."""
+def load_config(path: str | Path | None, overrides: list[str] = (), local_files: bool = True) -> Config:
+    """Read YAML at `path` (may be None), apply `key.sub=value` overrides, validate, return Config.
+    `local_files=False`: do not require the files the config names (data, resume checkpoint) to
+    exist here, for tools that only read the config (the planner, on a login node)."""
     source = str(path) if path else "<defaults>"
     tree: dict = {}
     if path is not None:
@@ -473,7 +486,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     problems: list[str] = []
     cfg = _build_section(Config, tree, "", problems)
     if not problems:
-        problems = _range_checks(cfg)
+        problems = _range_checks(cfg, local_files)
     if problems:
         where = source + (f" with overrides {list(overrides)}" if overrides else "")
         raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
@@ -535,7 +548,7 @@ def update_readme(path: Path) -> None:
     path.write_text(text[:start] + reference_markdown() + text[end:])
 
 
-if __name__ == "__main__":
+def main() -> None:
     # python -m sft.config                      -> the config reference (markdown)
     # python -m sft.config --readme README.md   -> refresh the README's copy of it
     # python -m sft.config CONFIG [overrides]   -> the resolved config, validated
@@ -543,11 +556,12 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--readme"]:
         update_readme(Path(sys.argv[2]))
     elif sys.argv[1:2] == ["--run-dir"]:
-        try:
-            print(load_config(sys.argv[2], sys.argv[3:]).run_dir)
-        except ConfigError as e:
-            sys.exit(f"error: {e}")
+        print(load_config(sys.argv[2], sys.argv[3:]).run_dir)
     elif len(sys.argv) > 1:
         print(to_yaml(load_config(sys.argv[1], sys.argv[2:])), end="")
     else:
         print(reference_markdown(), end="")
+
+
+if __name__ == "__main__":
+    run_command(main)

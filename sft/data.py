@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from sft.config import ConfigError, DataConfig, UserError, load_config
+from sft.config import ConfigError, DataConfig, UserError, load_config, run_command
 from sft.distributed import decided_on_rank0, log0
 from sft import masking
 from sft.collate import collate, collate_packed
@@ -458,8 +458,4 @@ if __name__ == "__main__":
     # function, the datasets cache key and the DataError class caught here are those train.py uses.
     import sft.data
 
-    try:
-        sft.data.main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_command(sft.data.main)

@@ -18,8 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from sft.config import DTYPES, ModelConfig
 from sft import atomic
+from sft.checkpoint import CheckpointError, checkpoint_problem
+from sft.config import DTYPES, ModelConfig, run_command
 from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
 
@@ -62,9 +63,13 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     args = parser.parse_args()
+    problem = checkpoint_problem(args.checkpoint)
+    if problem:
+        raise CheckpointError(f"{args.checkpoint} is not a usable checkpoint ({problem}): give a committed "
+                              "checkpoints/step-N directory (its run's checkpoints/latest names the newest)")
     export_hf(args.checkpoint, args.out_dir, args.dtype)
     print(f"exported {args.checkpoint} to {args.out_dir}")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

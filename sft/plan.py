@@ -11,9 +11,11 @@ being recomputed) and the loss buffers (one chunk of fp32 logits and its gradien
 lm_head gradient formed in forward). End of backward: all 16 bytes per parameter of sharded
 state, the gathered blocks, one block's unsharded fp32 gradients and one block's activations.
 The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16
-tensors an RMSNorm/attention/SwiGLU block saves), and 0.7 of that compiled (fusion saves fewer
-intermediates), fitted on Qwen2.5-7B shapes; docs/BENCHMARKS.md "Memory planner" compares the
-predictions with 18 measured peaks (0.5B-14B). Other architectures are estimates: leave a margin.
+tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
+graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
+the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
+docs/BENCHMARKS.md "Memory planner" compares the predictions with 20 measured peaks (0.5B-14B, with
+and without offload). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
@@ -32,13 +34,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from sft.config import Config, ConfigError, load_config
+from sft.config import Config, ConfigError, load_config, run_command
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import build_meta_model, decoder_blocks
 from sft.parallel import ac_block_indices
 
 GIB = 2**30
-COMPILED_ACTIVATION_FACTOR = 0.7
 ALLOCATOR_SLACK = 1.05
 # One rank's own host footprint (CUDA context, libraries, Python): 1.8 GiB RSS per rank measured
 # after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
@@ -76,9 +77,10 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
     gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
     gathered = 2 * gathered_blocks + 2 * s.root_params
-    per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if compiled:
-        per_token_layer *= COMPILED_ACTIVATION_FACTOR
+        per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
+    else:
+        per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
@@ -254,8 +256,8 @@ def main() -> None:
     args = parser.parse_args()
     m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)
     note = "" if args.host_mem else " (this machine's memory: pass --host-mem for the compute nodes')"
-    print(plan(load_config(args.config, args.overrides), m, note))
+    print(plan(load_config(args.config, args.overrides, local_files=False), m, note))
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -1,5 +1,6 @@
 """Config: typed tree, YAML + dotted overrides, one clear error before anything is created."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,33 @@ def test_a_missing_model_directory_names_its_key(key, value):
     with pytest.raises(ModelError) as err:
         load_tokenizer(cfg)
     assert str(err.value).startswith(f"model.{key}='{value}': no such directory; give an existing model directory")
+
+
+# Each `python -m sft.<tool>`: bad input is one line naming the problem, exit status 2, no traceback.
+CLI_ERRORS = {
+    "config": (["sft.config", "no/such.yaml"], "error: config file no/such.yaml not found"),
+    "run-dir": (["sft.config", "--run-dir", "configs/demo.yaml", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
+    "plan": (["sft.plan", "--config", "configs/demo.yaml", "--gpus", "2", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
+    "export": (["sft.export", "no/such/step-5", "out"],
+               "error: no/such/step-5 is not a usable checkpoint (no such directory): give a committed checkpoints/step-N"),
+    "data": (["sft.data", "--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
+}
+
+
+@pytest.mark.parametrize("tool", CLI_ERRORS)
+def test_command_line_tools_report_bad_input_in_one_line(tool):
+    argv, message = CLI_ERRORS[tool]
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_planner_does_not_need_the_data_files(tmp_path):
+    """Planning happens on a login node, where the data (or the checkpoint to resume) may not be."""
+    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/demo.yaml", "--gpus", "2",
+                           f"data.path={tmp_path}/absent.jsonl", f"checkpoint.resume={tmp_path}/absent/step-5"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "this config (micro-batch" in proc.stdout
