@@ -14,8 +14,10 @@ The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager 
 tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
 graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
 the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
-docs/BENCHMARKS.md "Memory planner" compares the predictions with 20 measured peaks (0.5B-14B, with
-and without offload). Other architectures are estimates: leave a margin.
+With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
+float8, one byte each. docs/BENCHMARKS.md "Memory planner" compares the predictions with 22
+measured peaks (0.5B-72B widths, with and without offload and float8). Other architectures are
+estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
@@ -71,7 +73,8 @@ class Shapes:
 
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
-               reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False) -> float:
+               reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
+               float8: bool = False) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
@@ -81,6 +84,8 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
+    if float8:
+        per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
@@ -161,7 +166,8 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     tokens = micro_batch * cfg.data.max_seq_len
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
-                      cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload) / GIB
+                      cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
+                      cfg.precision.float8 != "none") / GIB
 
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, int, int] | None:
