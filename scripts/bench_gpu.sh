@@ -19,7 +19,8 @@
 #             bf16 run of its seed and writes docs/float8_numerics.png
 #   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
 #   ckpt14b   14B checkpoint save / resume / HF export times
-#   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows;
+#   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows
+#             (ONLY=regex picks offload-p7b / offload-14b);
 #             measured GPU peak, host memory (per rank, node) and tok/s next to the planner's prediction
 #   ckptasync P-7B with asynchronous saves at steps 5 and 10 and the synchronous final save at 12:
 #             training time lost per save, time until committed, resume from the async checkpoint
@@ -218,7 +219,7 @@ RUNS
       p7b_data
       GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
       HOST_GIB=$(awk '/^MemTotal:/{print $2 / 1048576}' /proc/meminfo)
-      RUN_TIMEOUT=${RUN_TIMEOUT:-120} offload_run offload-p7b train.max_steps=8
+      [[ offload-p7b =~ ${ONLY:-.} ]] && RUN_TIMEOUT=${RUN_TIMEOUT:-120} offload_run offload-p7b train.max_steps=8
       # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
       read -r MB RATIO < <(python3 -c "
 from sft.config import load_config
@@ -229,7 +230,7 @@ s = Shapes.of(build_meta_model(cfg.model))
 mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if predict_gib(s, cfg, $NGPU, mb, r) <= $GPU_GIB)
 print(mb, -r)")
       echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
-      RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
+      [[ offload-14b =~ ${ONLY:-.} ]] && RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
         train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
     ckptasync)
       p7b_data

@@ -29,8 +29,10 @@ import errno
 import json
 import random
 import shutil
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +40,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import atomic
@@ -151,9 +153,10 @@ class Checkpointer:
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         # The save in flight: its commit, the background write, and this rank's own error, if any.
         self._pending: tuple[_WrittenByAllRanks, Future | None, Exception | None] | None = None
-        self._group: dist.ProcessGroup | None = None  # the rest is made by the first asynchronous save
+        # Made by the first asynchronous save: its process group and writer thread.
+        self._group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
-        self._stager: DefaultStager | None = None
+        self._staging = HostStaging()
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
@@ -264,18 +267,13 @@ class Checkpointer:
             # interleave with the training loop's.
             self._group = dist.new_group(backend="gloo")
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
-            # One stager for the run: it keeps its host buffers (pinned on GPUs) from save to save,
-            # so only the first save pays for allocating and pinning them.
-            on_gpu = self.env.device.type == "cuda"
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
             staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
-            log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of "
-                 f"{'pinned ' if on_gpu else ''}host memory for staging (rank 0's share)")
-        # Training waits only for this copy. The write runs dcp.save in our own thread rather than
-        # through dcp.async_save, which on torch 2.11 closes (empties) the stager it is given.
-        # The staged buffers are reused: save() waits for the previous write before staging again.
-        staged_state = self._stager.stage(state)
+            log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
+                 "(rank 0's share; pinned where the state is on the GPU)")
+        # Training waits only for this copy; save() waited for the previous write, so the buffers are free.
+        staged_state = self._staging.stage(state)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
         return self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
 
     def poll(self) -> None:
@@ -326,12 +324,51 @@ class Checkpointer:
         decided_on_rank0(publish)
 
 
+class HostStaging:
+    """Host copies of the sharded training state for asynchronous saves: allocated by the first save
+    (pinned where the state is on a GPU) and refilled by every later one, so only the first pays
+    for allocating and pinning.
+
+    Our own rather than DCP's stagers: torch 2.11's DefaultStager drops its buffers after every
+    save (its second save then re-pins, and fails with `KeyError: <class 'type'>`), and
+    BlockingAsyncStager cannot build its cache without CUDA, where the CPU tests run.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}  # path in the state dict -> its host copy
+
+    def stage(self, state: Any, path: str = "") -> Any:
+        """`state` with every tensor replaced by its host copy (DTensors keep their sharding). Copies
+        from a GPU are asynchronous: synchronize before reading them."""
+        if isinstance(state, dict):
+            return {key: self.stage(value, f"{path}/{key}") for key, value in state.items()}
+        if isinstance(state, list):
+            return [self.stage(value, f"{path}/{i}") for i, value in enumerate(state)]
+        if not isinstance(state, torch.Tensor):
+            return state  # learning rates, flags: this save's values
+        buffer = self._buffers.get(path)
+        if buffer is None:
+            buffer = self._buffers[path] = state.to("cpu", copy=True)
+            if _local(state).is_cuda:
+                # Pinned, the copies run at full PCIe speed and asynchronously. Should pinning fail
+                # (a locked-memory limit), the buffer stays pageable: slower copies, same result.
+                host = _local(buffer)
+                torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+        else:
+            _local(buffer).copy_(_local(state), non_blocking=True)
+        return buffer
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _local_tensors(state: dict):
     for value in state.values():
         if isinstance(value, dict):
             yield from _local_tensors(value)
         elif isinstance(value, torch.Tensor):
-            yield value.to_local() if hasattr(value, "to_local") else value
+            yield _local(value)
 
 
 class _WrittenByAllRanks:
@@ -359,16 +396,19 @@ class _WrittenByAllRanks:
     def finish(self, error: BaseException | None) -> None:
         """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
         same error on every rank, naming the first failed rank's cause."""
+        if error is not None and not isinstance(error, OSError):
+            # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback.
+            traceback.print_exception(error)
         causes: list = [None] * self.env.world_size
-        dist.all_gather_object(causes, None if error is None else self._cause(error))
+        dist.all_gather_object(causes, None if error is None else (self._cause(error), isinstance(error, OSError)))
         failed = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
         if not failed:
             decided_on_rank0(self._commit)
             return
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        rank, cause = failed[0]
-        raise self._error(cause if self.env.world_size == 1 else f"rank {rank}: {cause}")
+        rank, (cause, on_disk) = failed[0]
+        raise self._error(cause if self.env.world_size == 1 else f"rank {rank}: {cause}", on_disk)
 
     def __enter__(self) -> Path:
         return self.begin()
@@ -381,17 +421,18 @@ class _WrittenByAllRanks:
             atomic.commit(self.tmp, self.final)
         except OSError as e:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise self._error(e) from None
+            raise self._error(self._cause(e), on_disk=True) from None
 
     def _cause(self, error: BaseException) -> str:
         return f"no space left on {self.tmp.parent}" if _no_space(error) else f"{type(error).__name__}: {error}"
 
-    def _error(self, cause: BaseException | str) -> CheckpointError:
-        if isinstance(cause, BaseException):
-            cause = self._cause(cause)
+    def _error(self, cause: str, on_disk: bool) -> CheckpointError:
         previous = committed_checkpoints(self.checkpoints) if self.checkpoints else []
         kept = f"; the previous checkpoint {previous[0]} is intact" if previous else ""
-        error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; free space or fix the permissions "
-                                "of train.output_dir, then rerun: the run resumes from its last checkpoint")
+        fix = ("free space or fix the permissions of train.output_dir" if on_disk else
+               "not a disk problem: its traceback is above; set checkpoint.async_save=false if it is in the "
+               "asynchronous save, and report it")
+        error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; {fix}, then rerun: the run resumes "
+                                "from its last checkpoint")
         error.shared = True  # every rank raises it
         return error

@@ -217,13 +217,24 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_d
     assert (run / "checkpoints" / "latest").read_text() == "step-3\n" and not (run / "overwritten").exists()
 
 
-def test_one_ranks_failed_background_save_stops_every_rank_with_one_error(tmp_path, demo_data):
-    """Rank 1's part of an asynchronous save fails (full disk): both ranks stop at the commit with
-    the same one-line error instead of waiting for each other in different collectives."""
+# How rank 1's part of a save fails -> what the one error says.
+SAVE_FAILURES = {
+    "full disk": ({"SFT_TEST_FULL_DISK_RANK": "1"}, "(rank 1: no space left on", "free space or fix the permissions"),
+    "a bug": ({"SFT_TEST_SAVE_BUG_RANK": "1"}, "(rank 1: KeyError: <class 'type'>)", "not a disk problem: its traceback"),
+}
+
+
+@pytest.mark.parametrize("how", list(SAVE_FAILURES))
+def test_one_ranks_failed_background_save_stops_every_rank_with_one_error(tmp_path, demo_data, how):
+    """Rank 1's part of an asynchronous save fails: both ranks stop at the commit with the same
+    one-line error instead of waiting for each other in different collectives; a failure that is
+    not the disk's keeps its traceback and does not blame the disk."""
+    hooks, cause, fix = SAVE_FAILURES[how]
     proc = run_demo(demo_data, tmp_path, "full", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=0",
-                    nproc=2, env=with_test_hooks(SFT_TEST_FULL_DISK_RANK="1"), check=False, timeout=300)
+                    nproc=2, env=with_test_hooks(**hooks), check=False, timeout=300)
     error = one_clear_error(proc)
-    assert error.startswith(f"error: saving {tmp_path / 'full' / 'checkpoints' / 'step-2'} failed (rank 1: no space "
-                            "left on")
+    assert error.startswith(f"error: saving {tmp_path / 'full' / 'checkpoints' / 'step-2'} failed {cause}")
+    assert fix in error
+    assert ("in _failing_save" in proc.stderr) == (how == "a bug")  # the failing rank's traceback
     assert not (tmp_path / "full" / "checkpoints" / "step-2").exists()
     assert not (tmp_path / "full" / "checkpoints" / "step-2.tmp").exists()

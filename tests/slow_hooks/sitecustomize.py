@@ -3,6 +3,7 @@
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
+SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
 """
 
 import os
@@ -31,16 +32,19 @@ if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
 
     datasets.Dataset.map = _slow_map
 
-if os.environ.get("SFT_TEST_FULL_DISK_RANK") == os.environ.get("RANK", "-"):
+_RANK = os.environ.get("RANK", "-")
+if _RANK in (os.environ.get("SFT_TEST_FULL_DISK_RANK"), os.environ.get("SFT_TEST_SAVE_BUG_RANK")):
     import errno
 
     import torch
 
     _torch_save = torch.save
 
-    def _full_disk_save(obj, f, *args, **kwargs):
-        if str(f).endswith(f"rng-rank{os.environ['RANK']}.pt"):  # this rank's own checkpoint file
-            raise OSError(errno.ENOSPC, "No space left on device")
+    def _failing_save(obj, f, *args, **kwargs):
+        if str(f).endswith(f"rng-rank{_RANK}.pt"):  # this rank's own checkpoint file
+            if os.environ.get("SFT_TEST_FULL_DISK_RANK") == _RANK:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise KeyError(type)
         return _torch_save(obj, f, *args, **kwargs)
 
-    torch.save = _full_disk_save
+    torch.save = _failing_save
