@@ -23,7 +23,8 @@
 #             (ONLY=regex picks offload-p7b / offload-14b);
 #             measured GPU peak, host memory (per rank, node) and tok/s next to the planner's prediction
 #   ckptasync P-7B with asynchronous saves at steps 5 and 10 and the synchronous final save at 12:
-#             training time lost per save, time until committed, resume from the async checkpoint
+#             training time lost per save (apart: waiting for the previous write, copying to host),
+#             time until committed, resume from the last checkpoint (SKIP_RESUME=1: not)
 #   twonode   slurm/train.slurm under fake srun/scontrol/getent: 2 "nodes" x 2 GPUs on this host, HSDP
 #             (fsdp.replicate_degree=2), losses against the 4-GPU FSDP run
 #   summary   one table of all runs
@@ -224,33 +225,43 @@ RUNS
       read -r MB RATIO < <(python3 -c "
 from sft.config import load_config
 from sft.model import build_meta_model
-from sft.plan import MICRO_BATCHES, RATIOS, Shapes, predict_gib
+from sft.plan import MICRO_BATCHES, RATIOS, Machine, Shapes, predict_gib
 cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/qwen2.5-14b', 'fsdp.cpu_offload=true'])
-s = Shapes.of(build_meta_model(cfg.model))
-mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if predict_gib(s, cfg, $NGPU, mb, r) <= $GPU_GIB)
+s, m = Shapes.of(build_meta_model(cfg.model)), Machine.of($NGPU, $GPU_GIB, $HOST_GIB)
+mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r)))
 print(mb, -r)")
       echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
       [[ offload-14b =~ ${ONLY:-.} ]] && RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
         train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
-    ckptasync)
+    ckptasync)  # saves every 5 steps: each waits for the previous write (~75 s for 7B here), which the log separates
       p7b_data
       CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=5 checkpoint.keep_last=1
           train.overwrite=false)
       RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async "${CK[@]}" train.max_steps=12
-      grep -E "saved|committed|stage" "$LOGS/p7b-ckpt-async.log"
+      grep -E "saved|committed|copied|waited" "$LOGS/p7b-ckpt-async.log"
       python3 - "$LOGS/p7b-ckpt-async.log" runs/bench/p7b-ckpt-async <<'PY'
 import re, statistics, sys
 from pathlib import Path
 from sft.metrics import read_metrics
 log, run = Path(sys.argv[1]).read_text(), Path(sys.argv[2])
 steps, _ = read_metrics(run)
-blocked = {int(m[1]): float(m[2]) for m in re.finditer(r"saved \S*step-(\d+) in ([\d.]+) s", log)}
-normal = statistics.median(steps[s]["step_time"] for s in steps if s > 2 and s - 1 not in blocked and s - 2 not in blocked)
-for step, seconds in sorted(blocked.items()):
+waited = copied = 0.0
+saves = {}  # step -> (blocked, of which waiting for the previous write, of which copying to host)
+for line in log.splitlines():
+    if m := re.search(r"waited ([\d.]+) s for the previous save", line):
+        waited = float(m[1])
+    elif m := re.search(r"copied the state to host memory in ([\d.]+) s", line):
+        copied = float(m[1])
+    elif m := re.search(r"saved \S*step-(\d+) in ([\d.]+) s \(training blocked", line):
+        saves[int(m[1])] = (float(m[2]), waited, copied)
+        waited = copied = 0.0
+normal = statistics.median(steps[s]["step_time"] for s in steps if s > 2 and not {s - 1, s - 2} & set(saves))
+for step, (blocked, wait, copy) in sorted(saves.items()):
     extra = sum(max(0.0, steps[s]["step_time"] - normal) for s in (step + 1, step + 2, step + 3) if s in steps)
-    print(f"save at step {step}: training blocked {seconds:.1f} s + {extra:.1f} s slower steps after it "
-          f"(median step {normal:.2f} s)")
+    print(f"save at step {step}: training blocked {blocked:.1f} s, of which {wait:.1f} s waiting for the previous "
+          f"write and {copy:.1f} s copying to host; + {extra:.1f} s slower steps after it (median step {normal:.2f} s)")
 PY
+      [ -n "${SKIP_RESUME:-}" ] && continue
       rm -f runs/bench/p7b-ckpt-async/finished  # resume from the last (synchronous) checkpoint: 1 more step
       RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async-resumed "${CK[@]}" train.run_name=p7b-ckpt-async \
         train.max_steps=13 checkpoint.enabled=false

@@ -29,6 +29,7 @@ import errno
 import json
 import random
 import shutil
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -231,7 +232,11 @@ class Checkpointer:
         the model's config.json and the tokenizer, so the checkpoint exports without the original
         model directory.
         """
+        t0 = time.perf_counter()
         self.wait()  # at most one save in flight: the previous one is committed first
+        if time.perf_counter() - t0 > 1:
+            log0(f"checkpoint: waited {time.perf_counter() - t0:.1f} s for the previous save's write; save less "
+                 "often than the disk writes a checkpoint (checkpoint.every_steps)")
         final = self.root / f"step-{step}"
         commit = _WrittenByAllRanks(final, self.env, checkpoints=self.root)
         tmp = commit.begin()
@@ -271,10 +276,18 @@ class Checkpointer:
             log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
                  "(rank 0's share; pinned where the state is on the GPU)")
         # Training waits only for this copy; save() waited for the previous write, so the buffers are free.
+        t0 = time.perf_counter()
         staged_state = self._staging.stage(state)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
-        return self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
+        log0(f"checkpoint: copied the state to host memory in {time.perf_counter() - t0:.1f} s")
+        return self._writer.submit(self._write, staged_state, tmp)
+
+    def _write(self, staged_state: dict, tmp: Path) -> None:
+        """The writer thread: the files, then (first save) pinning the new host buffers, off the
+        training path, so that later saves copy into them at full speed."""
+        dcp.save(staged_state, checkpoint_id=tmp, process_group=self._group)
+        self._staging.pin_new_buffers()
 
     def poll(self) -> None:
         """Collective, once per step while a save is in flight: commit it once every rank's
@@ -326,8 +339,9 @@ class Checkpointer:
 
 class HostStaging:
     """Host copies of the sharded training state for asynchronous saves: allocated by the first save
-    (pinned where the state is on a GPU) and refilled by every later one, so only the first pays
-    for allocating and pinning.
+    and refilled in place by every later one. Buffers of GPU state are pinned after the first
+    save's write (by the writer thread: pinning 21 GiB takes tens of seconds), so later copies run
+    asynchronously at full PCIe speed.
 
     Our own rather than DCP's stagers: torch 2.11's DefaultStager drops its buffers after every
     save (its second save then re-pins, and fails with `KeyError: <class 'type'>`), and
@@ -336,10 +350,11 @@ class HostStaging:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}  # path in the state dict -> its host copy
+        self._to_pin: list[torch.Tensor] = []
 
     def stage(self, state: Any, path: str = "") -> Any:
         """`state` with every tensor replaced by its host copy (DTensors keep their sharding). Copies
-        from a GPU are asynchronous: synchronize before reading them."""
+        into pinned buffers are asynchronous: synchronize before reading them."""
         if isinstance(state, dict):
             return {key: self.stage(value, f"{path}/{key}") for key, value in state.items()}
         if isinstance(state, list):
@@ -350,13 +365,17 @@ class HostStaging:
         if buffer is None:
             buffer = self._buffers[path] = state.to("cpu", copy=True)
             if _local(state).is_cuda:
-                # Pinned, the copies run at full PCIe speed and asynchronously. Should pinning fail
-                # (a locked-memory limit), the buffer stays pageable: slower copies, same result.
-                host = _local(buffer)
-                torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+                self._to_pin.append(_local(buffer))
         else:
             _local(buffer).copy_(_local(state), non_blocking=True)
         return buffer
+
+    def pin_new_buffers(self) -> None:
+        """Page-lock the buffers made by the last stage() (not while a copy into them may run).
+        Should it fail (a locked-memory limit), a buffer stays pageable: slower copies, same result."""
+        for host in self._to_pin:
+            torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+        self._to_pin.clear()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
