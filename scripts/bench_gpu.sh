@@ -14,7 +14,8 @@
 #             Qwen2.5-72B widths with 16 of 80 blocks (mb 2, seq 4096; AC72=ratio, default 0 on >100 GB cards
 #             else 1); ONLY=regex runs the matching runs. Needs torchao (a wheel in .whl/)
 #   float8numerics  a 0.39B model learns byte-level Python source (scripts/text_tokens.py), 1200 steps,
-#             one GPU per run: F8RUNS="recipe:seed ..." (default bf16 / tensorwise / rowwise on seeds 0-1,
+#             one GPU per run (PER_GPU=2: two runs share each GPU): F8RUNS="recipe:seed ..." (default
+#             bf16 / tensorwise / rowwise on seeds 0-1,
 #             bf16 and tensorwise on seed 2); scripts/plot_float8.py compares each float8 run with the
 #             bf16 run of its seed and writes docs/float8_numerics.png
 #   s14b      Qwen2.5-14B shapes from an HF checkpoint on disk, ratio/micro-batch chosen by plan.auto
@@ -181,18 +182,18 @@ RUNS
       python3 scripts/bench_summary.py runs/bench/{p7b-bf16,p7b-f8-*,v7b-packed-bf16,v7b-packed-f8-*,q72b16-*}/ --warmup 4 |
         tee runs/bench/float8.md
       echo "stage float8 took $((SECONDS - t_stage)) s" ;;
-    float8numerics)  # one-GPU runs, NGPU at a time (in waves); a failed run leaves the others
+    float8numerics)  # one-GPU runs, PER_GPU on each GPU at once (in waves); a failed run leaves the others
       t_stage=$SECONDS
       python3 scripts/text_tokens.py --out data/float8num
-      gpu=0; pids=()
+      slot=0; pids=()
       for run in ${F8RUNS:-none:0 tensorwise:0 rowwise:0 none:1 tensorwise:1 rowwise:1 none:2 tensorwise:2}; do
         recipe=${run%:*} seed=${run#*:}
         (
-          CUDA_VISIBLE_DEVICES=$gpu NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "f8num-$recipe-s$seed" \
+          CUDA_VISIBLE_DEVICES=$((slot % NGPU)) NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "f8num-$recipe-s$seed" \
             configs/bench/float8_numerics.yaml precision.float8="$recipe" train.seed="$seed"
           [ "$recipe" = none ] || float8_applied "f8num-$recipe-s$seed"
         ) &
-        pids+=($!); gpu=$(((gpu + 1) % NGPU)); [ $gpu -eq 0 ] && wait "${pids[@]}" && pids=()
+        pids+=($!); slot=$(((slot + 1) % (NGPU * ${PER_GPU:-1}))); [ $slot -eq 0 ] && wait "${pids[@]}" && pids=()
       done; wait
       python3 scripts/plot_float8.py runs/bench/f8num-*/ --out docs/float8_numerics.png | tee runs/bench/float8_numerics.md
       cp docs/float8_numerics.png runs/bench/ 2>/dev/null
@@ -261,11 +262,13 @@ for step, (blocked, wait, copy) in sorted(saves.items()):
     print(f"save at step {step}: training blocked {blocked:.1f} s, of which {wait:.1f} s waiting for the previous "
           f"write and {copy:.1f} s copying to host; + {extra:.1f} s slower steps after it (median step {normal:.2f} s)")
 PY
-      [ -n "${SKIP_RESUME:-}" ] && continue
-      rm -f runs/bench/p7b-ckpt-async/finished  # resume from the last (synchronous) checkpoint: 1 more step
-      RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async-resumed "${CK[@]}" train.run_name=p7b-ckpt-async \
-        train.max_steps=13 checkpoint.enabled=false
-      grep -E "resumed" "$LOGS/p7b-ckpt-async-resumed.log"; rm -rf runs/bench/p7b-ckpt-async/checkpoints ;;
+      if [ -z "${SKIP_RESUME:-}" ]; then  # resume from the last (synchronous) checkpoint: 1 more step
+        rm -f runs/bench/p7b-ckpt-async/finished
+        RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async-resumed "${CK[@]}" train.run_name=p7b-ckpt-async \
+          train.max_steps=13 checkpoint.enabled=false
+        grep -E "resumed" "$LOGS/p7b-ckpt-async-resumed.log"
+      fi
+      rm -rf runs/bench/p7b-ckpt-async/checkpoints ;;
     twonode)  # 2 "nodes" x 2 GPUs through slurm/train.slurm, HSDP; then the same global batch on 4 GPUs, FSDP
       python3 scripts/demo_data.py --out data/demo >/dev/null
       shims=$(mktemp -d)
