@@ -4,7 +4,8 @@
 
 Each run's recipe and seed come from its config.yaml (precision.float8, train.seed). A float8 run is
 compared with the bf16 run of the same seed (same init and data order: the difference is float8's
-alone); the spread of the bf16 runs over seeds is the scale against which that difference is judged.
+alone) at the last eval step both reached (a run cut short is compared where it stopped); the
+spread of the bf16 runs over seeds is the scale against which that difference is judged.
 Prints markdown tables (for docs/BENCHMARKS.md); the plot needs matplotlib.
 """
 
@@ -79,26 +80,27 @@ def main() -> None:
     bf16 = {r["seed"]: r for r in runs if r["recipe"] == "none"}
     if not bf16:
         raise SystemExit("no bf16 run (precision.float8: none) to compare with")
-    print("| run | recipe | seed | steps | final eval loss | vs bf16, same seed | tok/s/GPU |")
+    print("| run | recipe | seed | steps | final eval loss | vs bf16, same seed and step | tok/s/GPU |")
     print("|---|---|---|---|---|---|---|")
+    paired: dict[str, list[float]] = {}
     for run in runs:
-        base = bf16.get(run["seed"])
-        rel = f"{run['final'] / base['final'] - 1:+.2%}" if base and run["recipe"] != "none" else ""
+        base, rel = bf16.get(run["seed"]), ""
+        if base and run["recipe"] != "none":
+            step = max(set(run["evals"]) & set(base["evals"]))
+            paired.setdefault(run["recipe"], []).append(run["evals"][step] / base["evals"][step] - 1)
+            rel = f"{paired[run['recipe']][-1]:+.2%} (step {step})"
         print(f"| {run['run']} | {run['recipe']} | {run['seed']} | {run['steps']} | {run['final']:.4f} | {rel} | "
               f"{run['tok/s/GPU']:,.0f} |")
     finals = [r["final"] for r in bf16.values()]
     spread = (max(finals) - min(finals)) / statistics.mean(finals)
-    print(f"\nbf16 over {len(finals)} seeds: mean {statistics.mean(finals):.4f}, spread (max - min) / mean {spread:.2%}\n")
-    print("| recipe | seeds | mean final eval loss | vs bf16 mean | largest same-seed difference | within 2% |")
-    print("|---|---|---|---|---|---|")
-    for recipe in sorted({r["recipe"] for r in runs} - {"none"}):
-        group = [r for r in runs if r["recipe"] == recipe]
-        mean = statistics.mean(r["final"] for r in group)
-        paired = [r["final"] / bf16[r["seed"]]["final"] - 1 for r in group if r["seed"] in bf16]
-        worst = max(paired, key=abs) if paired else float("nan")
-        rel = mean / statistics.mean(finals) - 1
-        print(f"| {recipe} | {len(group)} | {mean:.4f} | {rel:+.2%} | {worst:+.2%} | "
-              f"{'yes' if abs(rel) <= TOLERANCE and abs(worst) <= TOLERANCE else 'NO'} |")
+    print(f"\nbf16 over {len(finals)} seeds: final eval loss mean {statistics.mean(finals):.4f}, "
+          f"spread (max - min) / mean {spread:.2%}\n")
+    print("| recipe | seeds | mean difference from bf16 (same seed and step) | largest | within 2% |")
+    print("|---|---|---|---|---|")
+    for recipe, diffs in sorted(paired.items()):
+        mean, worst = statistics.mean(diffs), max(diffs, key=abs)
+        print(f"| {recipe} | {len(diffs)} | {mean:+.2%} | {worst:+.2%} | "
+              f"{'yes' if abs(mean) <= TOLERANCE and abs(worst) <= TOLERANCE else 'NO'} |")
     plot(runs, bf16, args.out)
     print(f"wrote {args.out}")
 
