@@ -13,9 +13,7 @@ shutdown path (final or stop save, export). The machinery lives in sft/, one con
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sft.checkpoint import Checkpointer
-from sft.config import UserError, check_machine, parse_args
+from sft.config import check_machine, parse_args, run_command
 from sft.data import TrainBatches, MicroBatches, load_sft_data
 from sft.distributed import init_distributed, log0
 from sft.evaluate import evaluate
@@ -186,12 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:
-        # Bad input: one clear line, no traceback, exit 2 so the scheduler sees a failure. An
-        # error every rank raises alike is reported once, by rank 0.
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or not e.shared:
-            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_command(main)

@@ -222,8 +222,9 @@ RUNS
       GPU_GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
       HOST_GIB=$(awk '/^MemTotal:/{print $2 / 1048576}' /proc/meminfo)
       [[ offload-p7b =~ ${ONLY:-.} ]] && RUN_TIMEOUT=${RUN_TIMEOUT:-120} offload_run offload-p7b train.max_steps=8
-      # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
-      read -r MB RATIO < <(python3 -c "
+      if [[ offload-14b =~ ${ONLY:-.} ]]; then
+        # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
+        read -r MB RATIO < <(python3 -c "
 from sft.config import load_config
 from sft.model import build_meta_model
 from sft.plan import MICRO_BATCHES, RATIOS, Machine, Shapes, predict_gib
@@ -231,9 +232,10 @@ cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/
 s, m = Shapes.of(build_meta_model(cfg.model)), Machine.of($NGPU, $GPU_GIB, $HOST_GIB)
 mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r)))
 print(mb, -r)")
-      echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
-      [[ offload-14b =~ ${ONLY:-.} ]] && RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
-        train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6 ;;
+        echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
+        RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
+          train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6
+      fi ;;
     ckptasync)  # saves every 5 steps: each waits for the previous write (~75 s for 7B here), which the log separates
       p7b_data
       CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=5 checkpoint.keep_last=1

@@ -85,8 +85,9 @@ def main() -> None:
     paired: dict[str, list[float]] = {}
     for run in runs:
         base, rel = bf16.get(run["seed"]), ""
-        if base and run["recipe"] != "none":
-            step = max(set(run["evals"]) & set(base["evals"]))
+        common = set(run["evals"]) & set(base["evals"]) if base else set()
+        if common and run["recipe"] != "none":
+            step = max(common)
             paired.setdefault(run["recipe"], []).append(run["evals"][step] / base["evals"][step] - 1)
             rel = f"{paired[run['recipe']][-1]:+.2%} (step {step})"
         print(f"| {run['run']} | {run['recipe']} | {run['seed']} | {run['steps']} | {run['final']:.4f} | {rel} | "

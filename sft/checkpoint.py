@@ -32,6 +32,7 @@ import shutil
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
@@ -136,10 +138,37 @@ def _shape_mismatches(path: Path, state: dict) -> list[str]:
             for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]
 
 
+# What a save can raise: DCP reports any rank's failure as a CheckpointException, a BaseException.
+SAVE_FAILURES = (Exception, CheckpointException)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The error behind a failed save: the first failed rank's, when DCP gathered them."""
+    while isinstance(e, CheckpointException) and e.failures:
+        e = e.failures[min(e.failures)][0]
+    return e
+
+
+def _failed_rank(e: BaseException, rank: int) -> int:
+    return min(e.failures) if isinstance(e, CheckpointException) and e.failures else rank
+
+
 def _no_space(e: BaseException) -> bool:
     """Whether a failed write ran out of disk space (DCP and torch.save bury the OSError)."""
+    e = _root_cause(e)
     while e is not None:
         if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _on_disk(e: BaseException) -> bool:
+    """Whether a failed save is the filesystem's doing (space, permissions, I/O), not a bug."""
+    e = _root_cause(e)
+    while e is not None:
+        # torch.save reports a failed write as a RuntimeError ("... file write failed")
+        if isinstance(e, OSError) or "write failed" in str(e) or _no_space(e):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -153,11 +182,12 @@ class Checkpointer:
         self.root = cfg.checkpoints_dir
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         # The save in flight: its commit, the background write, and this rank's own error, if any.
-        self._pending: tuple[_WrittenByAllRanks, Future | None, Exception | None] | None = None
+        self._pending: tuple[_WrittenByAllRanks, Future | None, BaseException | None] | None = None
         # Made by the first asynchronous save: its process group and writer thread.
         self._group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._staging = HostStaging()
+        self._pinning: Future | None = None  # the writer thread pinning the first save's buffers
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
@@ -243,7 +273,7 @@ class Checkpointer:
         state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
         in_background = not blocking and self.cfg.checkpoint.async_save
         background: Future | None = None
-        error: Exception | None = None
+        error: BaseException | None = None
         try:
             # DCP first: its collectives run before any rank can fail alone on the small files.
             if in_background:
@@ -257,7 +287,7 @@ class Checkpointer:
                 (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
                 model.config.save_pretrained(tmp / "hf")
                 self.tokenizer.save_pretrained(tmp / "hf")
-        except Exception as e:  # every rank learns of it in finish(), which raises the one clear error
+        except SAVE_FAILURES as e:  # every rank learns of it in finish(), which raises the one clear error
             error = e
         if in_background:
             # Every rank takes this path, failed or not, so all reach finish() together in wait().
@@ -269,25 +299,30 @@ class Checkpointer:
     def _async_save(self, state: dict, tmp: Path) -> Future:
         if self._group is None:
             # A gloo group and a writer thread of their own: the background collectives must not
-            # interleave with the training loop's.
-            self._group = dist.new_group(backend="gloo")
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            # interleave with the training loop's. The thread works on this rank's GPU (pinning
+            # from another device's context would start a CUDA context there).
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.cfg.dist.timeout_minutes))
+            on_gpu = self.env.device.type == "cuda"
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
+                                              initializer=torch.cuda.set_device if on_gpu else None,
+                                              initargs=(self.env.device,) if on_gpu else ())
             staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
             log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
                  "(rank 0's share; pinned where the state is on the GPU)")
+        if self._pinning is not None:
+            self._pinning.result()  # (long done by now) no copy into a buffer while it is being pinned
         # Training waits only for this copy; save() waited for the previous write, so the buffers are free.
         t0 = time.perf_counter()
         staged_state = self._staging.stage(state)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
         log0(f"checkpoint: copied the state to host memory in {time.perf_counter() - t0:.1f} s")
-        return self._writer.submit(self._write, staged_state, tmp)
-
-    def _write(self, staged_state: dict, tmp: Path) -> None:
-        """The writer thread: the files, then (first save) pinning the new host buffers, off the
-        training path, so that later saves copy into them at full speed."""
-        dcp.save(staged_state, checkpoint_id=tmp, process_group=self._group)
-        self._staging.pin_new_buffers()
+        written = self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
+        # After the write, off the training path: pin the buffers the first save made, so later
+        # saves copy into them asynchronously at full speed. Not part of `written`: the commit
+        # does not wait for it.
+        self._pinning = self._writer.submit(self._staging.pin_new_buffers, self.env.rank)
+        return written
 
     def poll(self) -> None:
         """Collective, once per step while a save is in flight: commit it once every rank's
@@ -309,11 +344,11 @@ class Checkpointer:
         if background is not None:
             try:
                 background.result()
-            except Exception as e:
+            except SAVE_FAILURES as e:
                 error = error or e
         self._commit(commit, error)
 
-    def _commit(self, commit: _WrittenByAllRanks, error: Exception | None) -> None:
+    def _commit(self, commit: _WrittenByAllRanks, error: BaseException | None) -> None:
         """Collective: commit the written checkpoint (or raise every rank's one error), then point
         `latest` at it and apply retention (rank 0).
 
@@ -339,43 +374,60 @@ class Checkpointer:
 
 class HostStaging:
     """Host copies of the sharded training state for asynchronous saves: allocated by the first save
-    and refilled in place by every later one. Buffers of GPU state are pinned after the first
-    save's write (by the writer thread: pinning 21 GiB takes tens of seconds), so later copies run
-    asynchronously at full PCIe speed.
+    and refilled in place by every later one. Buffers of GPU state are then pinned (by the writer
+    thread, after the first write), so later copies run asynchronously at full PCIe speed.
 
     Our own rather than DCP's stagers: torch 2.11's DefaultStager drops its buffers after every
     save (its second save then re-pins, and fails with `KeyError: <class 'type'>`), and
     BlockingAsyncStager cannot build its cache without CUDA, where the CPU tests run.
     """
 
+    # Smaller buffers gain nothing from pinning, and may share a page with one already pinned.
+    MIN_PINNED_BYTES = 1 << 20
+
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}  # path in the state dict -> its host copy
         self._to_pin: list[torch.Tensor] = []
 
-    def stage(self, state: Any, path: str = "") -> Any:
+    def stage(self, state: Any) -> Any:
         """`state` with every tensor replaced by its host copy (DTensors keep their sharding). Copies
         into pinned buffers are asynchronous: synchronize before reading them."""
+        previous, self._buffers = self._buffers, {}
+        return self._stage(state, "", previous)
+
+    def _stage(self, state: Any, path: str, previous: dict[str, torch.Tensor]) -> Any:
         if isinstance(state, dict):
-            return {key: self.stage(value, f"{path}/{key}") for key, value in state.items()}
-        if isinstance(state, list):
-            return [self.stage(value, f"{path}/{i}") for i, value in enumerate(state)]
+            return {key: self._stage(value, f"{path}/{key}", previous) for key, value in state.items()}
+        if isinstance(state, (list, tuple)):
+            return type(state)(self._stage(value, f"{path}/{i}", previous) for i, value in enumerate(state))
         if not isinstance(state, torch.Tensor):
             return state  # learning rates, flags: this save's values
-        buffer = self._buffers.get(path)
-        if buffer is None:
-            buffer = self._buffers[path] = state.to("cpu", copy=True)
-            if _local(state).is_cuda:
-                self._to_pin.append(_local(buffer))
-        else:
+        buffer = previous.get(path)
+        if buffer is not None and _same_layout(buffer, state):
             _local(buffer).copy_(_local(state), non_blocking=True)
+        else:  # first save, or the state changed shape: a new buffer
+            buffer = state.to("cpu", copy=True)
+            host = _local(buffer)
+            if _local(state).is_cuda and host.numel() * host.element_size() >= self.MIN_PINNED_BYTES:
+                self._to_pin.append(host)
+        self._buffers[path] = buffer
         return buffer
 
-    def pin_new_buffers(self) -> None:
-        """Page-lock the buffers made by the last stage() (not while a copy into them may run).
-        Should it fail (a locked-memory limit), a buffer stays pageable: slower copies, same result."""
-        for host in self._to_pin:
-            torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)
+    def pin_new_buffers(self, rank: int) -> None:
+        """Page-lock the buffers made since the last call (not while a copy into them may run). A
+        buffer that cannot be pinned (a locked-memory limit) stays pageable: slower copies, same result."""
+        failed = sum(int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(),
+                                                             1)) != 0  # 1: cudaHostRegisterPortable
+                     for host in self._to_pin)
+        if failed:
+            print(f"rank {rank}: checkpoint: could not pin {failed} of {len(self._to_pin)} staging buffers (the "
+                  "locked-memory limit, ulimit -l?); asynchronous saves copy them more slowly", flush=True)
         self._to_pin.clear()
+
+
+def _same_layout(buffer: torch.Tensor, state: torch.Tensor) -> bool:
+    return (type(buffer) is type(state) and buffer.shape == state.shape and buffer.dtype == state.dtype
+            and getattr(buffer, "placements", None) == getattr(state, "placements", None))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -415,18 +467,20 @@ class _WrittenByAllRanks:
     def finish(self, error: BaseException | None) -> None:
         """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
         same error on every rank, naming the first failed rank's cause."""
-        if error is not None and not isinstance(error, OSError):
+        if error is not None and not _on_disk(error):
             # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback.
-            traceback.print_exception(error)
+            traceback.print_exception(_root_cause(error))
+        # (the rank the error happened on: DCP hands every rank the first failed rank's; cause; on disk?)
+        mine = None if error is None else (_failed_rank(error, self.env.rank), self._cause(error), _on_disk(error))
         causes: list = [None] * self.env.world_size
-        dist.all_gather_object(causes, None if error is None else (self._cause(error), isinstance(error, OSError)))
-        failed = [(rank, cause) for rank, cause in enumerate(causes) if cause is not None]
+        dist.all_gather_object(causes, mine)
+        failed = sorted(cause for cause in causes if cause is not None)
         if not failed:
             decided_on_rank0(self._commit)
             return
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        rank, (cause, on_disk) = failed[0]
+        rank, cause, on_disk = failed[0]
         raise self._error(cause if self.env.world_size == 1 else f"rank {rank}: {cause}", on_disk)
 
     def __enter__(self) -> Path:
@@ -443,7 +497,10 @@ class _WrittenByAllRanks:
             raise self._error(self._cause(e), on_disk=True) from None
 
     def _cause(self, error: BaseException) -> str:
-        return f"no space left on {self.tmp.parent}" if _no_space(error) else f"{type(error).__name__}: {error}"
+        if _no_space(error):
+            return f"no space left on {self.tmp.parent}"
+        root = _root_cause(error)
+        return f"{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"
 
     def _error(self, cause: str, on_disk: bool) -> CheckpointError:
         previous = committed_checkpoints(self.checkpoints) if self.checkpoints else []

@@ -14,6 +14,7 @@ import importlib.util
 import dataclasses
 import inspect
 import math
+import os
 import sys
 import types
 import typing
@@ -34,13 +35,16 @@ class UserError(Exception):
     shared = False
 
 
-def run_command(main: Callable[[], object]) -> None:
-    """Run a `python -m sft.<tool>` entry point: bad input is one line on stderr and exit status 2,
-    never a traceback (train.py does the same once per job)."""
+def run_command(main: Callable[[], int | None]) -> None:
+    """Run an entry point (train.py, `python -m sft.<tool>`) and exit with its status. Bad input is
+    one line on stderr and exit status 2, never a traceback; under torchrun an error every rank
+    raises alike (`shared`) is printed once, by rank 0."""
     try:
-        main()
+        sys.exit(main())
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not e.shared:
+            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -201,9 +205,9 @@ class CheckpointConfig:
     """Keep this many committed checkpoints; older ones are deleted after a new one is committed."""
     async_save: bool = True
     """Periodic saves (every_steps) write in the background: training waits only while each rank's
-    shards are copied to host memory (about 16 bytes x parameters / ranks per rank, freed after
-    the write). The checkpoint is committed once every rank has written it. The final save and
-    the stop-save (SIGTERM/SIGUSR1) are always synchronous."""
+    shards are copied to host memory (12 bytes x parameters / ranks per rank: fp32 weights and both
+    Adam moments, kept for the run). The checkpoint is committed once every rank has written it.
+    The final save and the stop-save (SIGTERM/SIGUSR1) are always synchronous."""
     resume: str = "auto"
     """auto: continue from the newest complete checkpoint of this run, if any; none: start fresh;
     or the path of a checkpoints/step-N directory."""
@@ -211,6 +215,11 @@ class CheckpointConfig:
     """At the end, also write a Hugging Face model directory to <run>/export."""
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the exported weights."""
+
+    @property
+    def stages_in_host_memory(self) -> bool:
+        """Whether periodic asynchronous saves keep a host copy of the sharded state for the run."""
+        return self.enabled and self.async_save and self.every_steps > 0
 
 
 @dataclass
@@ -273,7 +282,7 @@ class Config:
         return self.run_dir / "checkpoints"
 
 
-def _range_checks(cfg: Config, local_files: bool) -> list[str]:
+def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
     """Cross-field and value checks; each entry is 'key=value: what is wrong and what to do'."""
     problems = []
 
@@ -314,28 +323,28 @@ def _range_checks(cfg: Config, local_files: bool) -> list[str]:
           "exports from the final checkpoint: needs checkpoint.enabled=true")
     check(cfg.dist.timeout_minutes > 0, "dist.timeout_minutes", cfg.dist.timeout_minutes, "must be > 0")
     check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    check(cfg.checkpoint.resume in ("auto", "none") or not local_files or Path(cfg.checkpoint.resume).is_dir(),
+    check(cfg.checkpoint.resume in ("auto", "none") or not local_checks or Path(cfg.checkpoint.resume).is_dir(),
           "checkpoint.resume", cfg.checkpoint.resume, "must be auto, none, or an existing checkpoints/step-N directory")
     for key, enabled, package in (("logging.tensorboard", cfg.logging.tensorboard, "tensorboard"),
                                   ("logging.wandb_project", cfg.logging.wandb_project, "wandb")):
-        check(not enabled or importlib.util.find_spec(package) is not None, key, enabled,
+        check(not enabled or not local_checks or importlib.util.find_spec(package) is not None, key, enabled,
               f"needs the {package} package: pip install {package} (or turn it off)")
     if cfg.precision.float8 != "none":
-        problems += _float8_checks(cfg)
+        problems += _float8_checks(cfg, local_checks)
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     check(cfg.logging.profile_steps is None or 1 <= cfg.logging.profile_steps[0] <= cfg.logging.profile_steps[1],
           "logging.profile_steps", cfg.logging.profile_steps, "must be [first, last] with 1 <= first <= last")
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and local_files and _looks_like_local_file(value):
+        if value and local_checks and _looks_like_local_file(value):
             check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
     return problems
 
 
-def _float8_checks(cfg: Config) -> list[str]:
+def _float8_checks(cfg: Config, local_checks: bool) -> list[str]:
     """precision.float8 with the rest of the config (its GPU requirement is in check_machine)."""
     key = f"precision.float8={cfg.precision.float8!r}"
     problems = []
-    if importlib.util.find_spec("torchao") is None:
+    if local_checks and importlib.util.find_spec("torchao") is None:
         problems.append(f"{key}: needs torchao: pip install -e '.[fp8]' (or set precision.float8=none)")
     if not cfg.compile.enabled:
         # Eager float8 runs each scale and cast as its own kernel: slower than plain bf16.
@@ -462,10 +471,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), local_files: bool = True) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] = (), local_checks: bool = True) -> Config:
     """Read YAML at `path` (may be None), apply `key.sub=value` overrides, validate, return Config.
-    `local_files=False`: do not require the files the config names (data, resume checkpoint) to
-    exist here, for tools that only read the config (the planner, on a login node)."""
+    `local_checks=False`: do not require the files the config names (data, resume checkpoint) or the
+    optional packages it asks for to exist here, for tools that only read the config (the planner,
+    on a login node)."""
     source = str(path) if path else "<defaults>"
     tree: dict = {}
     if path is not None:
@@ -486,7 +496,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), local_files:
     problems: list[str] = []
     cfg = _build_section(Config, tree, "", problems)
     if not problems:
-        problems = _range_checks(cfg, local_files)
+        problems = _range_checks(cfg, local_checks)
     if problems:
         where = source + (f" with overrides {list(overrides)}" if overrides else "")
         raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))

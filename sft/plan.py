@@ -15,7 +15,7 @@ tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) co
 graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
 the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
 With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
-float8, one byte each. docs/BENCHMARKS.md "Memory planner" compares the predictions with 22
+float8, one byte each. docs/BENCHMARKS.md "Memory planner" compares the predictions with 23
 measured peaks (0.5B-72B widths, with and without offload and float8). Other architectures are
 estimates: leave a margin.
 
@@ -24,7 +24,8 @@ shards of the two blocks in flight (copied in before the bf16 cast for the all-g
 reduce-scatter output before its copy out). The host of each node holds, per GPU, the fp32 shards
 of the parameters and gradients in pinned memory (PyTorch's pinned allocator rounds each to a power
 of two), both Adam moments (8 bytes per parameter) and the process itself (HOST_PROCESS_GIB):
-about 16 bytes x parameters x GPUs-per-node / shard ranks, plus the rounding and the processes.
+about 16 bytes x parameters x GPUs-per-node / shard ranks, plus the rounding and the processes;
+with periodic asynchronous saves, 12 bytes more per parameter shard for the staged copy of the state.
 """
 
 from __future__ import annotations
@@ -113,14 +114,15 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
 
 
-def host_bytes_per_rank(s: Shapes, shard_ranks: int) -> float:
+def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = False) -> float:
     """Host bytes one rank holds with fsdp.cpu_offload (see the module docstring)."""
     # FSDP2 shards dim 0, padded to a multiple of the shard ranks.
     shards = [math.ceil(shape[0] / shard_ranks) * math.prod(shape[1:]) for shape in s.param_shapes]
     # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
     # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
     pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
-    return pinned + 8 * sum(shards) + HOST_PROCESS_GIB * GIB
+    staged = 12 * sum(shards) if staged_checkpoints else 0  # fp32 weights + Adam moments copied for the writer
+    return pinned + 8 * sum(shards) + staged + HOST_PROCESS_GIB * GIB
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,8 @@ def this_machine_mem_gib() -> float:
 
 def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
     """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
-    return min(m.gpus, m.gpus_per_node) * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree) / GIB
+    return min(m.gpus, m.gpus_per_node) * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree,
+                                                              cfg.checkpoint.stages_in_host_memory) / GIB
 
 
 def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
@@ -160,9 +163,10 @@ def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
     need = host_gib_per_node(s, cfg, m)
     if need <= m.host_mem_gib:
         return None
+    staging = ", checkpoint.async_save=false" if cfg.checkpoint.stages_in_host_memory else ""
     return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({min(m.gpus, m.gpus_per_node)} GPUs "
-            f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node, or "
-            "fsdp.cpu_offload=false")
+            f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node{staging} "
+            "or fsdp.cpu_offload=false")
 
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -213,10 +217,11 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.fsdp.cpu_offload:
-        per_rank = host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree) / GIB
+        per_rank = host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree, cfg.checkpoint.stages_in_host_memory) / GIB
         need = host_gib_per_node(s, cfg, m)
         lines.append(f"host (fsdp.cpu_offload): {need:.1f} GiB per node predicted ({min(m.gpus, m.gpus_per_node)} GPUs "
-                     f"per node x {per_rank:.1f} GiB: fp32 params + grads pinned, Adam moments, the process) for "
+                     f"per node x {per_rank:.1f} GiB: fp32 params + grads pinned, Adam moments, "
+                     + ("the checkpoint staging, " if cfg.checkpoint.stages_in_host_memory else "") + "the process) for "
                      f"{m.host_mem_gib:.0f} GiB{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     choice = suggest(s, cfg, m)
     if choice:
@@ -248,7 +253,8 @@ def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: floa
     the node's host memory), else None."""
     s, m = Shapes.of(model), Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
     predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio)
-    problems = [] if m.fits(predicted) else [f"{predicted:.0f} GiB per GPU for {gpu_mem_gib:.0f} GiB GPUs"]
+    problems = [] if m.fits(predicted) else [f"{predicted:.0f} GiB per GPU, more than {USABLE_FRACTION:.0%} of "
+                                             f"{gpu_mem_gib:.0f} GiB GPUs"]
     if host_problem(s, cfg, m):
         problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
     if not problems:
@@ -271,7 +277,7 @@ def main() -> None:
     args = parser.parse_args()
     m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)
     note = "" if args.host_mem else " (this machine's memory: pass --host-mem for the compute nodes')"
-    print(plan(load_config(args.config, args.overrides, local_files=False), m, note))
+    print(plan(load_config(args.config, args.overrides, local_checks=False), m, note))
 
 
 if __name__ == "__main__":

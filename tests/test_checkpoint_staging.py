@@ -40,3 +40,15 @@ def test_staging_copies_once_then_refills_the_same_buffers(mesh):
     assert staged_w.to_local().tolist() == [[1, 2], [3, 4], [5, 6]]
     assert second["optimizer"]["state"]["w"]["step"].item() == 4
     assert second["optimizer"]["param_groups"][0]["lr"] == 5e-4
+
+
+def test_a_tensor_that_changed_shape_or_dtype_gets_a_new_buffer(mesh):
+    staging = HostStaging()
+    state = {"a": torch.ones(3), "b": torch.ones(2), "betas": (0.9, torch.ones(2))}
+    first = staging.stage(state)
+    second = staging.stage({"a": torch.full((4,), 2.0), "b": torch.ones(2, dtype=torch.float64),
+                            "betas": (0.9, torch.zeros(2))})
+    assert second["a"].tolist() == [2.0] * 4 and second["a"] is not first["a"]
+    assert second["b"].dtype == torch.float64 and second["b"] is not first["b"]
+    assert isinstance(second["betas"], tuple) and second["betas"][1] is first["betas"][1]  # same layout: refilled
+    assert second["betas"][1].tolist() == [0.0, 0.0]

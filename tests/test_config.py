@@ -138,10 +138,12 @@ def test_command_line_tools_report_bad_input_in_one_line(tool):
     assert "Traceback" not in proc.stderr
 
 
-def test_the_planner_does_not_need_the_data_files(tmp_path):
-    """Planning happens on a login node, where the data (or the checkpoint to resume) may not be."""
+def test_the_planner_does_not_need_the_data_files_or_optional_packages(tmp_path):
+    """Planning happens on a login node, where the data, the checkpoint to resume or the optional
+    packages the run asks for may not be."""
     proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/demo.yaml", "--gpus", "2",
-                           f"data.path={tmp_path}/absent.jsonl", f"checkpoint.resume={tmp_path}/absent/step-5"],
+                           f"data.path={tmp_path}/absent.jsonl", f"checkpoint.resume={tmp_path}/absent/step-5",
+                           "logging.wandb_project=absent-package"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "this config (micro-batch" in proc.stdout

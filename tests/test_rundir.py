@@ -221,6 +221,8 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_d
 SAVE_FAILURES = {
     "full disk": ({"SFT_TEST_FULL_DISK_RANK": "1"}, "(rank 1: no space left on", "free space or fix the permissions"),
     "a bug": ({"SFT_TEST_SAVE_BUG_RANK": "1"}, "(rank 1: KeyError: <class 'type'>)", "not a disk problem: its traceback"),
+    "full disk in the shards": ({"SFT_TEST_FULL_DISK_SHARDS_RANK": "1"}, "(rank 1: no space left on",
+                                "free space or fix the permissions"),
 }
 
 

@@ -4,6 +4,7 @@ SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first slee
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
+SFT_TEST_FULL_DISK_SHARDS_RANK=R  rank R's DCP shard files fail to write with ENOSPC
 """
 
 import os
@@ -48,3 +49,13 @@ if _RANK in (os.environ.get("SFT_TEST_FULL_DISK_RANK"), os.environ.get("SFT_TEST
         return _torch_save(obj, f, *args, **kwargs)
 
     torch.save = _failing_save
+
+if os.environ.get("SFT_TEST_FULL_DISK_SHARDS_RANK") == _RANK:
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def _full_disk_write(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    FileSystemWriter.write_data = _full_disk_write
