@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
         logger.log(entry)
         profiler.step_ends(step)
+        if step == start_step + 1:
+            ckpt.prepare_staging(model, optimizer)  # host buffers for asynchronous saves, in the background
         ckpt.poll()  # commits a background save once every rank has written it
         if stopped:
             break

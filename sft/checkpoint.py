@@ -31,6 +31,7 @@ import random
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -187,7 +188,7 @@ class Checkpointer:
         self._group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._staging = HostStaging()
-        self._pinning: Future | None = None  # the writer thread pinning the first save's buffers
+        self._staging_job: Future | None = None  # the writer thread making or pinning host buffers
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
@@ -296,32 +297,45 @@ class Checkpointer:
             self._commit(commit, error)
         return final
 
+    def prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
+        """Collective, once after the first step (when Adam's moments exist): with periodic
+        asynchronous saves, make and pin the host buffers on the writer thread while training goes
+        on, so that the first save, too, only copies."""
+        if self.cfg.checkpoint.stages_in_host_memory:
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            self._start_writer(state)
+            self._staging_job = self._writer.submit(self._staging.allocate, state, self.env.rank)
+
+    def _start_writer(self, state: dict) -> None:
+        """Collective (new_group), once: a gloo group and a writer thread of their own, so the
+        background collectives do not interleave with the training loop's. The thread works on this
+        rank's GPU (pinning from another device's context would start a CUDA context there)."""
+        if self._group is not None:
+            return
+        self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.cfg.dist.timeout_minutes))
+        on_gpu = self.env.device.type == "cuda"
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
+                                          initializer=torch.cuda.set_device if on_gpu else None,
+                                          initargs=(self.env.device,) if on_gpu else ())
+        staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
+        log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
+             "(rank 0's share; pinned where the state is on the GPU)")
+
     def _async_save(self, state: dict, tmp: Path) -> Future:
-        if self._group is None:
-            # A gloo group and a writer thread of their own: the background collectives must not
-            # interleave with the training loop's. The thread works on this rank's GPU (pinning
-            # from another device's context would start a CUDA context there).
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.cfg.dist.timeout_minutes))
-            on_gpu = self.env.device.type == "cuda"
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
-                                              initializer=torch.cuda.set_device if on_gpu else None,
-                                              initargs=(self.env.device,) if on_gpu else ())
-            staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
-            log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
-                 "(rank 0's share; pinned where the state is on the GPU)")
-        if self._pinning is not None:
-            self._pinning.result()  # (long done by now) no copy into a buffer while it is being pinned
-        # Training waits only for this copy; save() waited for the previous write, so the buffers are free.
+        self._start_writer(state)
+        # Training waits only for this copy (and, should they still run, for the buffers being made
+        # or pinned); save() waited for the previous write, so the buffers are free.
         t0 = time.perf_counter()
+        if self._staging_job is not None:
+            self._staging_job.result()
         staged_state = self._staging.stage(state)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
         log0(f"checkpoint: copied the state to host memory in {time.perf_counter() - t0:.1f} s")
         written = self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
-        # After the write, off the training path: pin the buffers the first save made, so later
-        # saves copy into them asynchronously at full speed. Not part of `written`: the commit
-        # does not wait for it.
-        self._pinning = self._writer.submit(self._staging.pin_new_buffers, self.env.rank)
+        # Off the training path and after the write: pin any buffer this save had to make. Not
+        # part of `written`: the commit does not wait for it.
+        self._staging_job = self._writer.submit(self._staging.pin_new_buffers, self.env.rank)
         return written
 
     def poll(self) -> None:
@@ -373,9 +387,10 @@ class Checkpointer:
 
 
 class HostStaging:
-    """Host copies of the sharded training state for asynchronous saves: allocated by the first save
-    and refilled in place by every later one. Buffers of GPU state are then pinned (by the writer
-    thread, after the first write), so later copies run asynchronously at full PCIe speed.
+    """Host copies of the sharded training state for asynchronous saves, refilled in place by every
+    save. `allocate` makes and pins them ahead of the first save, off the training path; a buffer it
+    did not make (or whose tensor changed shape) is made by the save and pinned after its write.
+    Pinned, the copies run asynchronously at full PCIe speed.
 
     Our own rather than DCP's stagers: torch 2.11's DefaultStager drops its buffers after every
     save (its second save then re-pins, and fails with `KeyError: <class 'type'>`), and
@@ -389,29 +404,40 @@ class HostStaging:
         self._buffers: dict[str, torch.Tensor] = {}  # path in the state dict -> its host copy
         self._to_pin: list[torch.Tensor] = []
 
+    def allocate(self, state: Any, rank: int) -> None:
+        """Make the host buffers for `state` (its values are not copied) and pin them."""
+        made: dict[str, torch.Tensor] = {}
+
+        def empty(path: str, tensor: torch.Tensor) -> torch.Tensor:
+            made[path] = torch.empty_like(tensor, device="cpu")  # a DTensor keeps its sharding
+            if _local(tensor).is_cuda and _pinnable(_local(made[path])):
+                self._to_pin.append(_local(made[path]))
+            return made[path]
+
+        _map_tensors(state, empty)
+        if any(_local(buffer).device.type != "cpu" for buffer in made.values()):
+            self._to_pin.clear()  # not host memory: leave the buffers to the first save
+            return
+        self.pin_new_buffers(rank)
+        self._buffers = made
+
     def stage(self, state: Any) -> Any:
         """`state` with every tensor replaced by its host copy (DTensors keep their sharding). Copies
         into pinned buffers are asynchronous: synchronize before reading them."""
         previous, self._buffers = self._buffers, {}
-        return self._stage(state, "", previous)
 
-    def _stage(self, state: Any, path: str, previous: dict[str, torch.Tensor]) -> Any:
-        if isinstance(state, dict):
-            return {key: self._stage(value, f"{path}/{key}", previous) for key, value in state.items()}
-        if isinstance(state, (list, tuple)):
-            return type(state)(self._stage(value, f"{path}/{i}", previous) for i, value in enumerate(state))
-        if not isinstance(state, torch.Tensor):
-            return state  # learning rates, flags: this save's values
-        buffer = previous.get(path)
-        if buffer is not None and _same_layout(buffer, state):
-            _local(buffer).copy_(_local(state), non_blocking=True)
-        else:  # first save, or the state changed shape: a new buffer
-            buffer = state.to("cpu", copy=True)
-            host = _local(buffer)
-            if _local(state).is_cuda and host.numel() * host.element_size() >= self.MIN_PINNED_BYTES:
-                self._to_pin.append(host)
-        self._buffers[path] = buffer
-        return buffer
+        def refill(path: str, tensor: torch.Tensor) -> torch.Tensor:
+            buffer = previous.get(path)
+            if buffer is not None and _same_layout(buffer, tensor):
+                _local(buffer).copy_(_local(tensor), non_blocking=True)
+            else:  # not made ahead, or the state changed shape: a new buffer
+                buffer = tensor.to("cpu", copy=True)
+                if _local(tensor).is_cuda and _pinnable(_local(buffer)):
+                    self._to_pin.append(_local(buffer))
+            self._buffers[path] = buffer
+            return buffer
+
+        return _map_tensors(state, refill)
 
     def pin_new_buffers(self, rank: int) -> None:
         """Page-lock the buffers made since the last call (not while a copy into them may run). A
@@ -423,6 +449,19 @@ class HostStaging:
             print(f"rank {rank}: checkpoint: could not pin {failed} of {len(self._to_pin)} staging buffers (the "
                   "locked-memory limit, ulimit -l?); asynchronous saves copy them more slowly", flush=True)
         self._to_pin.clear()
+
+
+def _map_tensors(state: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], path: str = "") -> Any:
+    """`state` (dicts, lists, tuples) with every tensor t replaced by fn(its path, t)."""
+    if isinstance(state, dict):
+        return {key: _map_tensors(value, fn, f"{path}/{key}") for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_map_tensors(value, fn, f"{path}/{i}") for i, value in enumerate(state))
+    return fn(path, state) if isinstance(state, torch.Tensor) else state  # lr, flags: this save's values
+
+
+def _pinnable(host: torch.Tensor) -> bool:
+    return host.numel() * host.element_size() >= HostStaging.MIN_PINNED_BYTES
 
 
 def _same_layout(buffer: torch.Tensor, state: torch.Tensor) -> bool:

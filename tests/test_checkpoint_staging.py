@@ -52,3 +52,15 @@ def test_a_tensor_that_changed_shape_or_dtype_gets_a_new_buffer(mesh):
     assert second["b"].dtype == torch.float64 and second["b"] is not first["b"]
     assert isinstance(second["betas"], tuple) and second["betas"][1] is first["betas"][1]  # same layout: refilled
     assert second["betas"][1].tolist() == [0.0, 0.0]
+
+
+def test_buffers_made_ahead_are_the_ones_the_first_save_fills(mesh):
+    weight = DTensor.from_local(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)])
+    state = {"model": {"w": weight}, "optimizer": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]}}
+    staging = HostStaging()
+    staging.allocate(state, rank=0)
+    made = staging._buffers["/model/w"]
+    assert isinstance(made, DTensor) and made.placements == (Shard(0),) and made.to_local().device.type == "cpu"
+    staged = staging.stage(state)
+    assert staged["model"]["w"] is made and made.to_local().tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert staged["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)
