@@ -79,7 +79,9 @@ def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
     try:
         config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
-        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json: {e}") from None
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json ({reason}); give a "
+                         "local model directory, or a hub name this machine can reach") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,

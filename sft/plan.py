@@ -33,13 +33,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
-from sft.config import Config, ConfigError, load_config, run_command
+from sft.config import Config, ConfigError, ModelConfig, load_config, run_command
 from sft.loss import LOGITS_PER_CHUNK
-from sft.model import build_meta_model, decoder_blocks
+from sft.model import ModelError, build_meta_model, decoder_blocks
 from sft.parallel import ac_block_indices
 
 GIB = 2**30
@@ -48,6 +50,8 @@ ALLOCATOR_SLACK = 1.05
 # after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
 HOST_PROCESS_GIB = 2.0
 DEFAULT_GPUS_PER_NODE = 8
+# Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
+SHIPPED_SHAPES = Path(__file__).resolve().parents[1] / "configs" / "models"
 # A prediction fits a GPU when it is within this fraction of its memory: the rest is for the CUDA
 # context, NCCL and cuBLAS buffers and allocator fragmentation. A 14B offload run predicted at 93%
 # of a 140 GiB H200 ran out of memory with 1.5 GiB outside PyTorch and 10.5 GiB reserved but
@@ -203,9 +207,23 @@ def _nothing_fits(cfg: Config, m: Machine) -> str:
     return f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}or a shorter data.max_seq_len"
 
 
+def planning_model(cfg: ModelConfig) -> tuple[nn.Module, str]:
+    """The meta model to plan for, and a note. A hub model this machine cannot fetch (a login node
+    without network) is planned from its shapes in configs/models, when they are shipped."""
+    try:
+        return build_meta_model(cfg), ""
+    except ModelError:
+        shipped = SHIPPED_SHAPES / cfg.name_or_path.split("/")[-1].lower().removesuffix("-instruct")
+        if "/" not in cfg.name_or_path or not (shipped / "config.json").is_file():
+            raise
+        note = f" (the hub is not reachable: shapes from {shipped})"
+        return build_meta_model(dataclasses.replace(cfg, name_or_path=str(shipped))), note
+
+
 def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
-    s = Shapes.of(build_meta_model(cfg.model))
-    lines = [f"{cfg.model.name_or_path}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {m.gpus} GPUs "
+    model, shapes_note = planning_model(cfg.model)
+    s = Shapes.of(model)
+    lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {m.gpus} GPUs "
              f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",

@@ -184,3 +184,15 @@ def test_rowwise_float8_is_over_predicted_on_the_safe_side(qwen7b):
     still (P-7B 52.4 GiB against tensorwise's 57.3): the one row outside ±10%, on the safe side."""
     predicted = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, float8=True) / GIB
     assert 52.4 < predicted <= 52.4 * 1.12
+
+
+def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes():
+    """The issue's command, verbatim, on a machine that cannot reach the hub (a login node)."""
+    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
+                           "--gpu-mem", "80", "fsdp.cpu_offload=true"], cwd=REPO, capture_output=True, text=True,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"Qwen/Qwen2.5-72B (the hub is not reachable: shapes from "
+                                  f"{REPO / 'configs/models/qwen2.5-72b'}): 72.71B parameters")
+    assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in proc.stdout
+    assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in proc.stdout
