@@ -405,19 +405,26 @@ class HostStaging:
         self._to_pin: list[torch.Tensor] = []
 
     def allocate(self, state: Any, rank: int) -> None:
-        """Make the host buffers for `state` (its values are not copied) and pin them."""
+        """Make the host buffers for `state` (its values are not copied) and pin them. Only a head
+        start: should it fail, the first save makes the buffers itself."""
         made: dict[str, torch.Tensor] = {}
+        to_pin: list[torch.Tensor] = []
 
         def empty(path: str, tensor: torch.Tensor) -> torch.Tensor:
             made[path] = torch.empty_like(tensor, device="cpu")  # a DTensor keeps its sharding
             if _local(tensor).is_cuda and _pinnable(_local(made[path])):
-                self._to_pin.append(_local(made[path]))
+                to_pin.append(_local(made[path]))
             return made[path]
 
-        _map_tensors(state, empty)
-        if any(_local(buffer).device.type != "cpu" for buffer in made.values()):
-            self._to_pin.clear()  # not host memory: leave the buffers to the first save
+        try:
+            _map_tensors(state, empty)
+            if any(_local(buffer).device.type != "cpu" for buffer in made.values()):
+                raise RuntimeError("empty_like(..., device='cpu') did not give host memory")
+        except Exception as e:
+            print(f"rank {rank}: checkpoint: staging buffers not made ahead ({type(e).__name__}: {e}); the "
+                  "first asynchronous save makes them", flush=True)
             return
+        self._to_pin = to_pin
         self.pin_new_buffers(rank)
         self._buffers = made
 
