@@ -154,25 +154,25 @@ def _failed_rank(e: BaseException, rank: int) -> int:
     return min(e.failures) if isinstance(e, CheckpointException) and e.failures else rank
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether a failed write ran out of disk space (DCP and torch.save bury the OSError)."""
+def _causes(e: BaseException):
+    """The error behind a failed save and the errors it was raised from (DCP and torch.save bury
+    the OSError)."""
     e = _root_cause(e)
     while e is not None:
-        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
-            return True
+        yield e
         e = e.__cause__ or e.__context__
-    return False
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether a failed write ran out of disk space."""
+    return any((isinstance(c, OSError) and c.errno == errno.ENOSPC) or "No space left on device" in str(c)
+               for c in _causes(e))
 
 
 def _on_disk(e: BaseException) -> bool:
     """Whether a failed save is the filesystem's doing (space, permissions, I/O), not a bug."""
-    e = _root_cause(e)
-    while e is not None:
-        # torch.save reports a failed write as a RuntimeError ("... file write failed")
-        if isinstance(e, OSError) or "write failed" in str(e) or _no_space(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    # torch.save reports a failed write as a RuntimeError ("... file write failed")
+    return _no_space(e) or any(isinstance(c, OSError) or "write failed" in str(c) for c in _causes(e))
 
 
 class Checkpointer:
@@ -265,8 +265,9 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight: the previous one is committed first
-        if time.perf_counter() - t0 > 1:
-            log0(f"checkpoint: waited {time.perf_counter() - t0:.1f} s for the previous save's write; save less "
+        waited = time.perf_counter() - t0
+        if waited > 1:
+            log0(f"checkpoint: waited {waited:.1f} s for the previous save's write; save less "
                  "often than the disk writes a checkpoint (checkpoint.every_steps)")
         final = self.root / f"step-{step}"
         commit = _WrittenByAllRanks(final, self.env, checkpoints=self.root)
@@ -317,7 +318,7 @@ class Checkpointer:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
                                           initializer=torch.cuda.set_device if on_gpu else None,
                                           initargs=(self.env.device,) if on_gpu else ())
-        staged = sum(t.numel() * t.element_size() for t in _local_tensors(state)) / 2**30
+        staged = sum(_local(tensor).nbytes for tensor in _tensors_of(state)) / 2**30
         log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
              "(rank 0's share; pinned where the state is on the GPU)")
 
@@ -449,7 +450,7 @@ class HostStaging:
     def pin_new_buffers(self, rank: int) -> None:
         """Page-lock the buffers made since the last call (not while a copy into them may run). A
         buffer that cannot be pinned (a locked-memory limit) stays pageable: slower copies, same result."""
-        failed = sum(int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(),
+        failed = sum(int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes,
                                                              1)) != 0  # 1: cudaHostRegisterPortable
                      for host in self._to_pin)
         if failed:
@@ -467,8 +468,20 @@ def _map_tensors(state: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], pa
     return fn(path, state) if isinstance(state, torch.Tensor) else state  # lr, flags: this save's values
 
 
+def _tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor in `state`, found by the same walk as _map_tensors."""
+    found: list[torch.Tensor] = []
+
+    def collect(_: str, tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    _map_tensors(state, collect)
+    return found
+
+
 def _pinnable(host: torch.Tensor) -> bool:
-    return host.numel() * host.element_size() >= HostStaging.MIN_PINNED_BYTES
+    return host.nbytes >= HostStaging.MIN_PINNED_BYTES
 
 
 def _same_layout(buffer: torch.Tensor, state: torch.Tensor) -> bool:
@@ -478,14 +491,6 @@ def _same_layout(buffer: torch.Tensor, state: torch.Tensor) -> bool:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _local_tensors(state: dict):
-    for value in state.values():
-        if isinstance(value, dict):
-            yield from _local_tensors(value)
-        elif isinstance(value, torch.Tensor):
-            yield _local(value)
 
 
 class _WrittenByAllRanks:
@@ -513,11 +518,12 @@ class _WrittenByAllRanks:
     def finish(self, error: BaseException | None) -> None:
         """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
         same error on every rank, naming the first failed rank's cause."""
-        if error is not None and not _on_disk(error):
+        on_disk = error is not None and _on_disk(error)
+        if error is not None and not on_disk:
             # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback.
             traceback.print_exception(_root_cause(error))
         # (the rank the error happened on: DCP hands every rank the first failed rank's; cause; on disk?)
-        mine = None if error is None else (_failed_rank(error, self.env.rank), self._cause(error), _on_disk(error))
+        mine = None if error is None else (_failed_rank(error, self.env.rank), self._cause(error), on_disk)
         causes: list = [None] * self.env.world_size
         dist.all_gather_object(causes, mine)
         failed = sorted(cause for cause in causes if cause is not None)

@@ -137,6 +137,10 @@ class Machine:
     host_mem_gib: float
     gpus_per_node: int
 
+    @property
+    def gpus_on_a_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
     def fits(self, gib: float) -> bool:
         """Whether a predicted peak of `gib` per GPU fits (USABLE_FRACTION of the GPU's memory)."""
         return gib <= USABLE_FRACTION * self.gpu_mem_gib
@@ -156,7 +160,7 @@ def this_machine_mem_gib() -> float:
 
 def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
     """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
-    return min(m.gpus, m.gpus_per_node) * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree,
+    return m.gpus_on_a_node * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree,
                                                               cfg.checkpoint.stages_in_host_memory) / GIB
 
 
@@ -168,7 +172,7 @@ def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
     if need <= m.host_mem_gib:
         return None
     staging = ", checkpoint.async_save=false" if cfg.checkpoint.stages_in_host_memory else ""
-    return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({min(m.gpus, m.gpus_per_node)} GPUs "
+    return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
             f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node{staging} "
             "or fsdp.cpu_offload=false")
 
@@ -235,9 +239,9 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.fsdp.cpu_offload:
-        per_rank = host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree, cfg.checkpoint.stages_in_host_memory) / GIB
         need = host_gib_per_node(s, cfg, m)
-        lines.append(f"host (fsdp.cpu_offload): {need:.1f} GiB per node predicted ({min(m.gpus, m.gpus_per_node)} GPUs "
+        per_rank = need / m.gpus_on_a_node
+        lines.append(f"host (fsdp.cpu_offload): {need:.1f} GiB per node predicted ({m.gpus_on_a_node} GPUs "
                      f"per node x {per_rank:.1f} GiB: fp32 params + grads pinned, Adam moments, "
                      + ("the checkpoint staging, " if cfg.checkpoint.stages_in_host_memory else "") + "the process) for "
                      f"{m.host_mem_gib:.0f} GiB{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
