@@ -29,6 +29,7 @@ import errno
 import json
 import random
 import shutil
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -150,10 +151,6 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _failed_rank(e: BaseException, rank: int) -> int:
-    return min(e.failures) if isinstance(e, CheckpointException) and e.failures else rank
-
-
 def _causes(e: BaseException):
     """The error behind a failed save and the errors it was raised from (DCP and torch.save bury
     the OSError)."""
@@ -163,16 +160,29 @@ def _causes(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def _no_space(e: BaseException) -> bool:
-    """Whether a failed write ran out of disk space."""
-    return any((isinstance(c, OSError) and c.errno == errno.ENOSPC) or "No space left on device" in str(c)
-               for c in _causes(e))
+# A filesystem with less free space than this is full for a checkpoint.
+_NEARLY_FULL_BYTES = 1 << 30
 
 
-def _on_disk(e: BaseException) -> bool:
+def _no_space(e: BaseException, directory: Path) -> bool:
+    """Whether a failed write into `directory` ran out of disk space or quota."""
+    if any((isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(c)
+           for c in _causes(e)):
+        return True
+    # The error alone does not always say: torch.save on a full disk can fail with only a short
+    # write ("unexpected pos 704 vs 598"), and DCP gathers each rank's error without what it was
+    # raised from. The disk itself does.
+    try:
+        return shutil.disk_usage(directory).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _on_disk(e: BaseException, directory: Path) -> bool:
     """Whether a failed save is the filesystem's doing (space, permissions, I/O), not a bug."""
     # torch.save reports a failed write as a RuntimeError ("... file write failed")
-    return _no_space(e) or any(isinstance(c, OSError) or "write failed" in str(c) for c in _causes(e))
+    return (_no_space(e, directory)
+            or any(isinstance(c, OSError) or "write failed" in str(c) for c in _causes(e)))
 
 
 class Checkpointer:
@@ -517,13 +527,8 @@ class _WrittenByAllRanks:
 
     def finish(self, error: BaseException | None) -> None:
         """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
-        same error on every rank, naming the first failed rank's cause."""
-        on_disk = error is not None and _on_disk(error)
-        if error is not None and not on_disk:
-            # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback.
-            traceback.print_exception(_root_cause(error))
-        # (the rank the error happened on: DCP hands every rank the first failed rank's; cause; on disk?)
-        mine = None if error is None else (_failed_rank(error, self.env.rank), self._cause(error), on_disk)
+        same error on every rank, naming the lowest failed rank's cause as that rank judged it."""
+        mine = None if error is None else self._judge(error)
         causes: list = [None] * self.env.world_size
         dist.all_gather_object(causes, mine)
         failed = sorted(cause for cause in causes if cause is not None)
@@ -532,7 +537,7 @@ class _WrittenByAllRanks:
             return
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        rank, cause, on_disk = failed[0]
+        _, rank, cause, on_disk = failed[0]
         raise self._error(cause if self.env.world_size == 1 else f"rank {rank}: {cause}", on_disk)
 
     def __enter__(self) -> Path:
@@ -548,8 +553,29 @@ class _WrittenByAllRanks:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise self._error(self._cause(e), on_disk=True) from None
 
+    def _judge(self, error: BaseException) -> tuple[bool, int, str, bool]:
+        """(whether only other ranks failed, the failed rank, the cause, whether the disk is to
+        blame) for this rank's view of a failed save. A rank judges its own failure, against its own
+        disk (node-local disks differ); DCP also hands it the other ranks' errors, which those ranks
+        judge, so a rank whose own part succeeded ranks behind them."""
+        rank, stack, others = self.env.rank, None, False
+        if isinstance(error, CheckpointException) and error.failures:
+            others = rank not in error.failures
+            rank = min(error.failures) if others else rank
+            error, stack = error.failures[rank]
+        on_disk = _on_disk(error, self.tmp.parent)
+        if not on_disk and not others:
+            # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback
+            # (DCP hands the error over without it, but with its stack).
+            if stack is None:
+                traceback.print_exception(error)
+            else:
+                print(f"Traceback (most recent call last), rank {rank}:\n" + "".join(traceback.format_list(stack))
+                      + "".join(traceback.format_exception_only(error)), end="", file=sys.stderr, flush=True)
+        return others, rank, self._cause(error), on_disk
+
     def _cause(self, error: BaseException) -> str:
-        if _no_space(error):
+        if _no_space(error, self.tmp.parent):
             return f"no space left on {self.tmp.parent}"
         root = _root_cause(error)
         return f"{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"

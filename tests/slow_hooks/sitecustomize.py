@@ -4,7 +4,9 @@ SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first slee
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
-SFT_TEST_FULL_DISK_SHARDS_RANK=R  rank R's DCP shard files fail to write with ENOSPC
+SFT_TEST_SHARDS_FAIL=R:HOW    rank R's DCP shard files fail to write: HOW is no-space (ENOSPC),
+                              short-write (what torch.save says on a full disk, which then reports no
+                              free space) or bug (a KeyError)
 """
 
 import os
@@ -50,12 +52,21 @@ if _RANK in (os.environ.get("SFT_TEST_FULL_DISK_RANK"), os.environ.get("SFT_TEST
 
     torch.save = _failing_save
 
-if os.environ.get("SFT_TEST_FULL_DISK_SHARDS_RANK") == _RANK:
+_SHARDS_RANK, _, _SHARDS_HOW = os.environ.get("SFT_TEST_SHARDS_FAIL", "").partition(":")
+if _SHARDS_RANK == _RANK:
     import errno
+    import shutil
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    def _full_disk_write(self, plan, planner):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def _failing_write(self, plan, planner):
+        if _SHARDS_HOW == "no-space":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if _SHARDS_HOW == "short-write":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        raise KeyError(type)
 
-    FileSystemWriter.write_data = _full_disk_write
+    FileSystemWriter.write_data = _failing_write
+    if _SHARDS_HOW == "short-write":
+        _disk_usage = shutil.disk_usage
+        shutil.disk_usage = lambda path: _disk_usage(path)._replace(free=0)
