@@ -23,9 +23,11 @@
 #   offload   fsdp.cpu_offload: P-7B, and Qwen2.5-14B shapes at the largest micro-batch the planner allows
 #             (ONLY=regex picks offload-p7b / offload-14b);
 #             measured GPU peak, host memory (per rank, node) and tok/s next to the planner's prediction
-#   ckptasync P-7B with asynchronous saves at steps 5 and 10 and the synchronous final save at 12:
-#             training time lost per save (apart: waiting for the previous write, copying to host),
-#             time until committed, resume from the last checkpoint (SKIP_RESUME=1: not)
+#   ckptasync P-7B with asynchronous saves every EVERY steps (default 5: each waits for the previous
+#             write) twice and the synchronous final save 2 steps later: training time lost per save
+#             (apart: waiting for the previous write or for the host buffers, copying to host), time
+#             until committed, resume from the last checkpoint (SKIP_RESUME=1: not). EVERY=30 STEPS=62:
+#             saves as far apart as in a real run
 #   twonode   slurm/train.slurm under fake srun/scontrol/getent: 2 "nodes" x 2 GPUs on this host, HSDP
 #             (fsdp.replicate_degree=2), losses against the 4-GPU FSDP run
 #   summary   one table of all runs
@@ -238,9 +240,9 @@ print(mb, -r)")
       fi ;;
     ckptasync)  # saves every 5 steps: each waits for the previous write (~75 s for 7B here), which the log separates
       p7b_data
-      CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=5 checkpoint.keep_last=1
+      CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=${EVERY:-5} checkpoint.keep_last=1
           train.overwrite=false)
-      RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async "${CK[@]}" train.max_steps=12
+      RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async "${CK[@]}" train.max_steps=$((2 * ${EVERY:-5} + 2))
       grep -E "saved|committed|copied|waited" "$LOGS/p7b-ckpt-async.log"
       python3 - "$LOGS/p7b-ckpt-async.log" runs/bench/p7b-ckpt-async <<'PY'
 import re, statistics, sys
@@ -248,26 +250,31 @@ from pathlib import Path
 from sft.metrics import read_metrics
 log, run = Path(sys.argv[1]).read_text(), Path(sys.argv[2])
 steps, _ = read_metrics(run)
-waited = copied = 0.0
-saves = {}  # step -> (blocked, of which waiting for the previous write, of which copying to host)
+waited = buffers = copied = 0.0
+saves = {}  # step -> (blocked, of which waiting for the previous write, for the host buffers, copying to host)
 for line in log.splitlines():
     if m := re.search(r"waited ([\d.]+) s for the previous save", line):
         waited = float(m[1])
+    elif m := re.search(r"waited ([\d.]+) s for the host buffers", line):
+        buffers = float(m[1])
     elif m := re.search(r"copied the state to host memory in ([\d.]+) s", line):
         copied = float(m[1])
     elif m := re.search(r"saved \S*step-(\d+) in ([\d.]+) s \(training blocked", line):
-        saves[int(m[1])] = (float(m[2]), waited, copied)
-        waited = copied = 0.0
+        saves[int(m[1])] = (float(m[2]), waited, buffers, copied)
+        waited = buffers = copied = 0.0
 normal = statistics.median(steps[s]["step_time"] for s in steps if s > 2 and not {s - 1, s - 2} & set(saves))
-for step, (blocked, wait, copy) in sorted(saves.items()):
+slow = {s: round(steps[s]["step_time"] - normal, 1) for s in steps if s > 1 and steps[s]["step_time"] > normal + 0.5}
+print(f"median step {normal:.2f} s; steps over 0.5 s slower (step: extra s): {slow}")
+for step, (blocked, wait, buffers, copy) in sorted(saves.items()):
     extra = sum(max(0.0, steps[s]["step_time"] - normal) for s in (step + 1, step + 2, step + 3) if s in steps)
     print(f"save at step {step}: training blocked {blocked:.1f} s, of which {wait:.1f} s waiting for the previous "
-          f"write and {copy:.1f} s copying to host; + {extra:.1f} s slower steps after it (median step {normal:.2f} s)")
+          f"write, {buffers:.1f} s for the host buffers and {copy:.1f} s copying to host; + {extra:.1f} s slower "
+          "steps after it")
 PY
       if [ -z "${SKIP_RESUME:-}" ]; then  # resume from the last (synchronous) checkpoint: 1 more step
         rm -f runs/bench/p7b-ckpt-async/finished
         RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async-resumed "${CK[@]}" train.run_name=p7b-ckpt-async \
-          train.max_steps=13 checkpoint.enabled=false
+          train.max_steps=$((2 * ${EVERY:-5} + 3)) checkpoint.enabled=false
         grep -E "resumed" "$LOGS/p7b-ckpt-async-resumed.log"
       fi
       rm -rf runs/bench/p7b-ckpt-async/checkpoints ;;
