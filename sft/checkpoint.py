@@ -403,8 +403,9 @@ class Checkpointer:
 
 class HostStaging:
     """Host copies of the sharded training state for asynchronous saves, refilled in place by every
-    save. `allocate` makes and pins them ahead of the first save, off the training path; a buffer it
-    did not make (or whose tensor changed shape) is made by the save and pinned after its write.
+    save. `allocate` makes and pins them ahead of the first save, beside training (only the pinning
+    itself holds training up, once); a buffer it did not make (or whose tensor changed shape) is
+    made by the save and pinned after its write.
     Pinned, the copies run asynchronously at full PCIe speed.
 
     Our own rather than DCP's stagers: torch 2.11's DefaultStager drops its buffers after every
