@@ -26,8 +26,8 @@
 #   ckptasync P-7B with asynchronous saves every EVERY steps (default 5: each waits for the previous
 #             write) twice and the synchronous final save 2 steps later: training time lost per save
 #             (apart: waiting for the previous write or for the host buffers, copying to host), time
-#             until committed, resume from the last checkpoint (SKIP_RESUME=1: not). EVERY=30 STEPS=62:
-#             saves as far apart as in a real run
+#             until committed, resume from the last checkpoint (SKIP_RESUME=1: not). EVERY=30: saves
+#             as far apart as in a real run
 #   twonode   slurm/train.slurm under fake srun/scontrol/getent: 2 "nodes" x 2 GPUs on this host, HSDP
 #             (fsdp.replicate_degree=2), losses against the 4-GPU FSDP run
 #   summary   one table of all runs
@@ -238,8 +238,8 @@ print(mb, -r)")
         RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
           train.micro_batch_size="$MB" ac.ratio="$RATIO" train.max_steps=6
       fi ;;
-    ckptasync)  # saves every 5 steps: each waits for the previous write (~75 s for 7B here), which the log separates
-      p7b_data
+    ckptasync)  # saves every EVERY (5) steps: each waits for the previous write (50-90 s for 7B), which the log separates
+      STEPS=$((2 * ${EVERY:-5} + 3)) p7b_data  # enough samples for the run and its resume
       CK=(configs/bench/p7b.yaml checkpoint.enabled=true checkpoint.every_steps=${EVERY:-5} checkpoint.keep_last=1
           train.overwrite=false)
       RUN_TIMEOUT=${RUN_TIMEOUT:-420} train p7b-ckpt-async "${CK[@]}" train.max_steps=$((2 * ${EVERY:-5} + 2))
@@ -265,10 +265,10 @@ for line in log.splitlines():
 normal = statistics.median(steps[s]["step_time"] for s in steps if s > 2 and not {s - 1, s - 2} & set(saves))
 slow = {s: round(steps[s]["step_time"] - normal, 1) for s in steps if s > 1 and steps[s]["step_time"] > normal + 0.5}
 print(f"median step {normal:.2f} s; steps over 0.5 s slower (step: extra s): {slow}")
-for step, (blocked, wait, buffers, copy) in sorted(saves.items()):
+for step, (blocked, on_write, on_buffers, copy) in sorted(saves.items()):
     extra = sum(max(0.0, steps[s]["step_time"] - normal) for s in (step + 1, step + 2, step + 3) if s in steps)
-    print(f"save at step {step}: training blocked {blocked:.1f} s, of which {wait:.1f} s waiting for the previous "
-          f"write, {buffers:.1f} s for the host buffers and {copy:.1f} s copying to host; + {extra:.1f} s slower "
+    print(f"save at step {step}: training blocked {blocked:.1f} s, of which {on_write:.1f} s waiting for the previous "
+          f"write, {on_buffers:.1f} s for the host buffers and {copy:.1f} s copying to host; + {extra:.1f} s slower "
           "steps after it")
 PY
       if [ -z "${SKIP_RESUME:-}" ]; then  # resume from the last (synchronous) checkpoint: 1 more step

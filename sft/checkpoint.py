@@ -162,6 +162,13 @@ def _causes(e: BaseException):
 
 # A filesystem with less free space than this is full for a checkpoint.
 _NEARLY_FULL_BYTES = 1 << 30
+# How torch.save reports a write that did not go through (a full disk or quota, an I/O error):
+# "... file write failed", or only a short write ("unexpected pos 704 vs 598").
+_FAILED_WRITE = ("write failed", "unexpected pos")
+
+
+def _failed_write(e: BaseException) -> bool:
+    return any(isinstance(c, OSError) or any(text in str(c) for text in _FAILED_WRITE) for c in _causes(e))
 
 
 def _no_space(e: BaseException, directory: Path) -> bool:
@@ -169,20 +176,12 @@ def _no_space(e: BaseException, directory: Path) -> bool:
     if any((isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT)) or "No space left on device" in str(c)
            for c in _causes(e)):
         return True
-    # The error alone does not always say: torch.save on a full disk can fail with only a short
-    # write ("unexpected pos 704 vs 598"), and DCP gathers each rank's error without what it was
-    # raised from. The disk itself does.
+    # A failed write does not always say why (and DCP hands each rank's error over without what
+    # it was raised from): the disk does.
     try:
-        return shutil.disk_usage(directory).free < _NEARLY_FULL_BYTES
+        return _failed_write(e) and shutil.disk_usage(directory).free < _NEARLY_FULL_BYTES
     except OSError:
         return False
-
-
-def _on_disk(e: BaseException, directory: Path) -> bool:
-    """Whether a failed save is the filesystem's doing (space, permissions, I/O), not a bug."""
-    # torch.save reports a failed write as a RuntimeError ("... file write failed")
-    return (_no_space(e, directory)
-            or any(isinstance(c, OSError) or "write failed" in str(c) for c in _causes(e)))
 
 
 class Checkpointer:
@@ -340,8 +339,8 @@ class Checkpointer:
         if self._staging_job is not None:
             self._staging_job.result()
         if (waited := time.perf_counter() - t0) > 1:
-            log0(f"checkpoint: waited {waited:.1f} s for the host buffers, still being made after the first step "
-                 "(about 0.6 s per GiB staged): only a save this early waits")
+            log0(f"checkpoint: waited {waited:.1f} s for the host buffers to be made or pinned (they are made "
+                 "after the first step: a first save that comes sooner than that takes waits for them)")
         t0 = time.perf_counter()
         staged_state = self._staging.stage(state)
         if self.env.device.type == "cuda":
@@ -436,15 +435,15 @@ class HostStaging:
             _map_tensors(state, empty)
             if any(_local(buffer).device.type != "cpu" for buffer in made.values()):
                 raise RuntimeError("empty_like(..., device='cpu') did not give host memory")
+            for host in to_pin:
+                # Fault the new pages in here, beside training: cudaHostRegister would do it while
+                # holding up the training loop's CUDA calls (P-7B on 2 x H100, 43 GiB per rank: one
+                # step 0.9 -> 19-33 s; faulted in first, the registration costs one step ~3.4 s).
+                host.zero_()
         except Exception as e:
             print(f"rank {rank}: checkpoint: staging buffers not made ahead ({type(e).__name__}: {e}); the "
                   "first asynchronous save makes them", flush=True)
             return
-        for host in to_pin:
-            # Fault the new pages in here, beside training: cudaHostRegister would do it while
-            # holding up the training loop's CUDA calls (P-7B on 2 x H100, 43 GiB per rank: one
-            # step 0.9 -> 19-33 s; faulted in first, the registration costs one step ~3.4 s).
-            host.zero_()
         self._to_pin = to_pin
         self.pin_new_buffers(rank)
         self._buffers = made
@@ -538,7 +537,12 @@ class _WrittenByAllRanks:
     def finish(self, error: BaseException | None) -> None:
         """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
         same error on every rank, naming the lowest failed rank's cause as that rank judged it."""
-        mine = None if error is None else self._judge(error)
+        mine = None
+        if error is not None:
+            try:
+                mine = self._judge(error)
+            except Exception as e:  # never skip the collective below: the other ranks wait in it
+                mine = (False, self.env.rank, f"{type(error).__name__} (judging it failed: {e!r})", False)
         causes: list = [None] * self.env.world_size
         dist.all_gather_object(causes, mine)
         failed = sorted(cause for cause in causes if cause is not None)
@@ -561,31 +565,33 @@ class _WrittenByAllRanks:
             atomic.commit(self.tmp, self.final)
         except OSError as e:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            raise self._error(self._cause(e), on_disk=True) from None
+            raise self._error(self._cause(e, _no_space(e, self.tmp.parent)), on_disk=True) from None
 
     def _judge(self, error: BaseException) -> tuple[bool, int, str, bool]:
         """(whether only other ranks failed, the failed rank, the cause, whether the disk is to
         blame) for this rank's view of a failed save. A rank judges its own failure, against its own
         disk (node-local disks differ); DCP also hands it the other ranks' errors, which those ranks
         judge, so a rank whose own part succeeded ranks behind them."""
-        rank, stack, others = self.env.rank, None, False
+        rank, stack, others, first = self.env.rank, None, False, True
         if isinstance(error, CheckpointException) and error.failures:
             others = rank not in error.failures
             rank = min(error.failures) if others else rank
+            first = rank == min(error.failures)
             error, stack = error.failures[rank]
-        on_disk = _on_disk(error, self.tmp.parent)
-        if not on_disk and not others:
-            # Not the disk: a bug, here or in a library. The rank that met it keeps its traceback
-            # (DCP hands the error over without it, but with its stack).
+        no_space = _no_space(error, self.tmp.parent)
+        on_disk = no_space or _failed_write(error)
+        if not on_disk and not others and first:
+            # Not the disk: a bug, here or in a library. The rank the error names keeps its
+            # traceback (DCP hands the error over without it, but with its stack).
             if stack is None:
                 traceback.print_exception(error)
             else:
                 print(f"Traceback (most recent call last), rank {rank}:\n" + "".join(traceback.format_list(stack))
                       + "".join(traceback.format_exception_only(error)), end="", file=sys.stderr, flush=True)
-        return others, rank, self._cause(error), on_disk
+        return others, rank, self._cause(error, no_space), on_disk
 
-    def _cause(self, error: BaseException) -> str:
-        if _no_space(error, self.tmp.parent):
+    def _cause(self, error: BaseException, no_space: bool) -> str:
+        if no_space:
             return f"no space left on {self.tmp.parent}"
         root = _root_cause(error)
         return f"{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"
@@ -593,7 +599,7 @@ class _WrittenByAllRanks:
     def _error(self, cause: str, on_disk: bool) -> CheckpointError:
         previous = committed_checkpoints(self.checkpoints) if self.checkpoints else []
         kept = f"; the previous checkpoint {previous[0]} is intact" if previous else ""
-        fix = ("free space or fix the permissions of train.output_dir" if on_disk else
+        fix = ("free space (or quota) or fix the permissions of train.output_dir" if on_disk else
                "not a disk problem: its traceback is above; set checkpoint.async_save=false if it is in the "
                "asynchronous save, and report it")
         error = CheckpointError(f"saving {self.final} failed ({cause}){kept}; {fix}, then rerun: the run resumes "

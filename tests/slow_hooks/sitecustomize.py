@@ -5,8 +5,9 @@ SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
 SFT_TEST_SHARDS_FAIL=R:HOW    rank R's DCP shard files fail to write: HOW is no-space (ENOSPC),
-                              short-write (what torch.save says on a full disk, which then reports no
-                              free space) or bug (a KeyError)
+                              short-write (all torch.save says of a write that did not go through,
+                              on a disk with space: a quota, an I/O error), short-write-full-disk
+                              (the same, and the disk reports no free space) or bug (a KeyError)
 """
 
 import os
@@ -62,11 +63,13 @@ if _SHARDS_RANK == _RANK:
     def _failing_write(self, plan, planner):
         if _SHARDS_HOW == "no-space":
             raise OSError(errno.ENOSPC, "No space left on device")
-        if _SHARDS_HOW == "short-write":
+        if _SHARDS_HOW.startswith("short-write"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         raise KeyError(type)
 
+    if _SHARDS_HOW not in ("no-space", "short-write", "short-write-full-disk", "bug"):
+        raise ValueError(f"SFT_TEST_SHARDS_FAIL: unknown failure {_SHARDS_HOW!r}")
     FileSystemWriter.write_data = _failing_write
-    if _SHARDS_HOW == "short-write":
+    if _SHARDS_HOW == "short-write-full-disk":
         _disk_usage = shutil.disk_usage
         shutil.disk_usage = lambda path: _disk_usage(path)._replace(free=0)
