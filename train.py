@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
         if warning:
             log0(warning)
+    ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
     parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8)

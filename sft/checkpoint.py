@@ -56,6 +56,10 @@ from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.model import initial_weights, load_weights
 
 
+# A checkpoint holds the fp32 master weights and both Adam moments.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
+
 def _read_train_state(path: Path) -> dict:
     state = json.loads(path.read_text())
     for key in ("step", "tokens_seen", "global_batch", "world_size"):
@@ -217,6 +221,27 @@ class Checkpointer:
                 return candidate
             log0(f"checkpoint: skipping {candidate} ({problem})")
         return None
+
+    def check_room(self, model: nn.Module, resume_from: Path | None, total_steps: int) -> None:
+        """Before the weights load: warn (rank 0, once) when the checkpoints' filesystem has less
+        free space than this run's checkpoints will add at their peak (keep_last committed ones
+        stay while the next is written), which a save would otherwise learn only when it fails,
+        after minutes of writing."""
+        c = self.cfg.checkpoint
+        if not c.enabled:
+            return
+        size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+        start = step_of(resume_from) if resume_from else 0
+        saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
+        more = max(1, min(c.keep_last + 1, saves) - len(committed_checkpoints(self.root)))
+        existing = next(d for d in (self.root, *self.root.parents) if d.exists())
+        free = shutil.disk_usage(existing).free
+        if free < more * size:
+            log0(f"warning: {existing} has {free / 2**30:.1f} GiB free, and this run's checkpoints need up to "
+                 f"{more * size / 2**30:.1f} GiB more ({more} of {size / 2**30:.1f} GiB: fp32 weights and Adam "
+                 f"moments; checkpoint.keep_last={c.keep_last} stay while the next is written): a save will fail "
+                 "when the disk is full, keeping the previous checkpoint; free space, lower checkpoint.keep_last or "
+                 "set train.output_dir to a larger filesystem")
 
     def restore(self, resume_from: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[dict, str]:

@@ -206,6 +206,44 @@ def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoin
         dist.destroy_process_group()
 
 
+# (checkpoints already committed, checkpoint.every_steps, keep_last, total steps, resumed from step)
+#   -> checkpoints the run adds at its peak
+ROOM_CASES = {
+    "first run, a save every step: keep_last committed + the one being written": ((), 1, 2, 10, None, 3),
+    "only the final save": ((), 0, 2, 10, None, 1),
+    "fewer saves (4, 8, final 10) than keep_last + 1": ((), 4, 3, 10, None, 3),
+    "resumed at step 4 with keep_last on disk: only one more at a time": ((2, 4), 2, 2, 10, 4, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(ROOM_CASES))
+def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(tmp_path, monkeypatch, capsys, case):
+    """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
+    from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER, Checkpointer
+    from sft.config import load_config
+    from sft.distributed import DistEnv
+    from sft.model import build_meta_model, load_tokenizer
+
+    committed, every, keep, total, resumed, more = ROOM_CASES[case]
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", f"train.output_dir={tmp_path}",
+                                                        f"checkpoint.every_steps={every}", f"checkpoint.keep_last={keep}"])
+    for step in committed:
+        (cfg.checkpoints_dir / f"step-{step}").mkdir(parents=True)
+    model = build_meta_model(cfg.model)
+    ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), DistEnv(0, 0, 1, torch.device("cpu")))
+    size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+    resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
+    real = shutil.disk_usage(tmp_path)
+    for free, warned in ((more * size, False), (more * size - 1, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(free=free))
+        ckpt.check_room(model, resume_from, total)
+        out = capsys.readouterr().out
+        assert (f"and this run's checkpoints need up to {more * size / 2**30:.1f} GiB more ({more} of " in out) == warned
+        assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned
+
+
 def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_data):
     """Retention and `resume: auto` must not take the abandoned later checkpoints for this run's."""
     run = copy_run(finished, "older")
