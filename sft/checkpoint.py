@@ -233,7 +233,7 @@ class Checkpointer:
         size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
-        more = max(1, min(c.keep_last + 1, saves) - len(committed_checkpoints(self.root)))
+        more = max(1, min(c.most_on_disk, saves) - len(committed_checkpoints(self.root)))
         existing = next(d for d in (self.root, *self.root.parents) if d.exists())
         free = shutil.disk_usage(existing).free
         if free < more * size:

@@ -217,6 +217,12 @@ class CheckpointConfig:
     """Dtype of the exported weights."""
 
     @property
+    def most_on_disk(self) -> int:
+        """Checkpoints on disk at once while saving: keep_last committed ones stay while the next is
+        written (retention runs only after its commit)."""
+        return self.keep_last + 1
+
+    @property
     def stages_in_host_memory(self) -> bool:
         """Whether periodic asynchronous saves keep a host copy of the sharded state for the run."""
         return self.enabled and self.async_save and self.every_steps > 0

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from torch import nn
 
+from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
 from sft.config import Config, ConfigError, ModelConfig, load_config, run_command
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import ModelError, build_meta_model, decoder_blocks
@@ -238,6 +239,10 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
     current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio)
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
+    if cfg.checkpoint.enabled:
+        each, at_once = CHECKPOINT_BYTES_PER_PARAMETER * s.params / GIB, cfg.checkpoint.most_on_disk
+        lines.append(f"checkpoints: {each:.1f} GiB each (fp32 weights and Adam moments), up to {at_once} at once "
+                     f"(checkpoint.keep_last + the one being written): {each * at_once:.1f} GiB of train.output_dir")
     if cfg.fsdp.cpu_offload:
         need = host_gib_per_node(s, cfg, m)
         per_rank = need / m.gpus_on_a_node

@@ -196,3 +196,5 @@ def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes():
                                   f"{REPO / 'configs/models/qwen2.5-72b'}): 72.71B parameters")
     assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in proc.stdout
     assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in proc.stdout
+    # 72.71B x 12 bytes; keep_last 2 committed + the one being written
+    assert "checkpoints: 812.6 GiB each (fp32 weights and Adam moments), up to 3 at once" in proc.stdout
