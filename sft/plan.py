@@ -126,7 +126,7 @@ def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = 
     # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
     # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
     pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
-    staged = 12 * sum(shards) if staged_checkpoints else 0  # fp32 weights + Adam moments copied for the writer
+    staged = CHECKPOINT_BYTES_PER_PARAMETER * sum(shards) if staged_checkpoints else 0  # the state the writer writes
     return pinned + 8 * sum(shards) + staged + HOST_PROCESS_GIB * GIB
 
 
