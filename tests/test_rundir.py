@@ -227,8 +227,9 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     committed, every, keep, total, resumed, more = ROOM_CASES[case]
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", f"train.output_dir={tmp_path}",
-                                                        f"checkpoint.every_steps={every}", f"checkpoint.keep_last={keep}"])
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null",
+                                                        f"train.output_dir={tmp_path}", f"checkpoint.every_steps={every}",
+                                                        f"checkpoint.keep_last={keep}"])
     for step in committed:
         (cfg.checkpoints_dir / f"step-{step}").mkdir(parents=True)
     model = build_meta_model(cfg.model)

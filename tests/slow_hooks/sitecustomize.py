@@ -63,6 +63,9 @@ if _SHARDS_RANK == _RANK:
     def _failing_write(self, plan, planner):
         if _SHARDS_HOW == "no-space":
             raise OSError(errno.ENOSPC, "No space left on device")
+        if _SHARDS_HOW == "short-write-full-disk":  # the disk is full from now on
+            disk_usage = shutil.disk_usage
+            shutil.disk_usage = lambda path: disk_usage(path)._replace(free=0)
         if _SHARDS_HOW.startswith("short-write"):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
         raise KeyError(type)
@@ -70,6 +73,3 @@ if _SHARDS_RANK == _RANK:
     if _SHARDS_HOW not in ("no-space", "short-write", "short-write-full-disk", "bug"):
         raise ValueError(f"SFT_TEST_SHARDS_FAIL: unknown failure {_SHARDS_HOW!r}")
     FileSystemWriter.write_data = _failing_write
-    if _SHARDS_HOW == "short-write-full-disk":
-        _disk_usage = shutil.disk_usage
-        shutil.disk_usage = lambda path: _disk_usage(path)._replace(free=0)
