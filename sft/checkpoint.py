@@ -188,6 +188,10 @@ def _no_space(e: BaseException, directory: Path) -> bool:
         return False
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 class Checkpointer:
     """Owns a run's checkpoints: the resume point, saves committed atomically, and restore,
     including where the initial weights come from when there is nothing to resume."""
@@ -237,8 +241,8 @@ class Checkpointer:
         existing = next(d for d in (self.root, *self.root.parents) if d.exists())
         free = shutil.disk_usage(existing).free
         if free < more * size:
-            log0(f"warning: {existing} has {free / 2**30:.1f} GiB free, and this run's checkpoints need up to "
-                 f"{more * size / 2**30:.1f} GiB more ({more} of {size / 2**30:.1f} GiB: fp32 weights and Adam "
+            log0(f"warning: {existing} has {_size(free)} free, and this run's checkpoints need up to "
+                 f"{_size(more * size)} more ({more} of {_size(size)}: fp32 weights and Adam "
                  f"moments; checkpoint.keep_last={c.keep_last} stay while the next is written): a save will fail "
                  "when the disk is full, keeping the previous checkpoint; free space, lower checkpoint.keep_last or "
                  "set train.output_dir to a larger filesystem")
