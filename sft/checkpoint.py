@@ -148,17 +148,9 @@ def _shape_mismatches(path: Path, state: dict) -> list[str]:
 SAVE_FAILURES = (Exception, CheckpointException)
 
 
-def _root_cause(e: BaseException) -> BaseException:
-    """The error behind a failed save: the first failed rank's, when DCP gathered them."""
-    while isinstance(e, CheckpointException) and e.failures:
-        e = e.failures[min(e.failures)][0]
-    return e
-
-
 def _causes(e: BaseException):
-    """The error behind a failed save and the errors it was raised from (DCP and torch.save bury
-    the OSError)."""
-    e = _root_cause(e)
+    """A rank's error in a failed save and the errors it was raised from (torch.save buries the
+    OSError)."""
     while e is not None:
         yield e
         e = e.__cause__ or e.__context__
@@ -622,8 +614,7 @@ class _WrittenByAllRanks:
     def _cause(self, error: BaseException, no_space: bool) -> str:
         if no_space:
             return f"no space left on {self.tmp.parent}"
-        root = _root_cause(error)
-        return f"{type(root).__name__}: {str(root).strip().splitlines()[0] if str(root).strip() else ''}"
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
 
     def _error(self, cause: str, on_disk: bool) -> CheckpointError:
         previous = committed_checkpoints(self.checkpoints) if self.checkpoints else []
