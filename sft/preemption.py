@@ -1,5 +1,6 @@
 """Preemption: SIGTERM / SIGUSR1, or a `stop-request` file in the run directory, ask the run to
-stop after the current step with a checkpoint.
+stop after the current step with a checkpoint; so does the death of the torchrun that started
+this worker.
 
 A handler only sets a flag (nothing unsafe happens inside a signal handler). The training loop
 sums the flag over ranks with the step's metrics all-reduce, so every rank sees the request at
@@ -10,11 +11,19 @@ slurm/train.slurm asks through the file rather than a signal: torchrun SIGKILLs 
 after forwarding a signal (before torch 2.12 that cannot be changed), and a 7B save takes a
 minute. The marker is what the script trusts for a requeue: under torchrun the workers' exit
 code does not reach it (torchrun exits 1 whenever a worker fails).
+
+torchrun starts each worker in a session of its own, so a launcher killed outright (SIGKILL to its
+process group, a supervisor, Ctrl-\\ in a terminal) takes no worker with it: the orphans would go
+on training, saving and holding the run's lock, and a rerun would be refused. A worker therefore
+watches its parent: once it is no longer the torchrun that started it, the run stops as on a
+signal (checked every step, so at most one step later; the stop-save commits atomically or not
+at all). A plain `python train.py` is left alone: its parent is a shell, and `nohup` is a choice.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -26,16 +35,20 @@ from sft import atomic
 REQUEUE_EXIT_CODE = 75
 STOPPED_MARKER = "stopped"
 STOP_REQUEST = "stop-request"
+LAUNCHER_GONE = "the exit of its torchrun"
 
 
 class StopRequest:
-    """Whether this rank was asked to stop: a signal, or (`stop_file`, watched by rank 0) a stop
-    request written after this process started (an older one was for an earlier job)."""
+    """Whether this rank was asked to stop: a signal, (`stop_file`, watched by rank 0) a stop
+    request written after this process started (an older one was for an earlier job), or, under
+    torchrun, the launcher's death."""
 
     def __init__(self, stop_file: Path | None, started_at: float,
                  signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
         self.signal_name: str | None = None
         self.stop_file, self.started_at = stop_file, started_at
+        # torchrun sets TORCHELASTIC_RUN_ID in its workers' environment.
+        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         for sig in signals:
             signal.signal(sig, self._handle)
 
@@ -44,6 +57,8 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
+        if self.signal_name is None and self._launcher is not None and os.getppid() != self._launcher:
+            self.signal_name = LAUNCHER_GONE  # orphaned: re-parented to init or a subreaper
         if self.signal_name is None and self.stop_file is not None:
             try:
                 if self.stop_file.stat().st_mtime >= self.started_at:

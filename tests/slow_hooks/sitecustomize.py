@@ -1,6 +1,7 @@
 """Test-only slowdowns, loaded by Python at start-up when this folder is on PYTHONPATH.
 
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
+SFT_TEST_SLOW_STEP_S=N        every optimizer step (AdamW) first sleeps N seconds
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
@@ -23,6 +24,17 @@ if os.environ.get("SFT_TEST_SLOW_SAVE_S"):
         return _save(*args, **kwargs)
 
     dcp.save = _slow_save
+
+if os.environ.get("SFT_TEST_SLOW_STEP_S"):
+    import torch
+
+    _step = torch.optim.AdamW.step
+
+    def _slow_step(*args, **kwargs):
+        time.sleep(float(os.environ["SFT_TEST_SLOW_STEP_S"]))
+        return _step(*args, **kwargs)
+
+    torch.optim.AdamW.step = _slow_step
 
 if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
     import datasets
