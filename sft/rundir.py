@@ -14,14 +14,21 @@ state that only a run which has proven it can start may change.
   data, model and resume checkpoint were all validated.
 * `train.overwrite` on a finished run moves the old run's files into `<run>/overwritten/` at
   `start()` and deletes them only when the new run finishes, so a rerun that fails midway never
-  costs the previous result. Resuming from one of the run's own checkpoints (to train further)
-  continues the run instead: nothing is moved.
+  costs the previous result, however often it is relaunched, resumed or restarted before it
+  finishes. Resuming from one of the run's own checkpoints (to train further) continues the run
+  instead: nothing is moved.
+* Checkpoints later than the step a run starts from (`checkpoint.resume=none`, or an older
+  checkpoint) belong to a line of training this run replaces: they go to `<run>/set-aside/`,
+  never over `overwritten/` or each other, and are deleted when the run finishes too. Damaged
+  checkpoints that the resume skipped go to `<run>/damaged/`, kept for inspection (a disk that
+  corrupts files is worth a look) and never retried: only the user deletes them.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import shutil
 import socket
@@ -35,6 +42,8 @@ from sft.preemption import STOPPED_MARKER
 
 FINISHED = "finished"
 OVERWRITTEN = "overwritten"
+SET_ASIDE = "set-aside"
+DAMAGED = "damaged"
 # What a run writes at its top level (besides the checkpoints): moved aside together on overwrite.
 _RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "profile", "curves.png", FINISHED,
               STOPPED_MARKER)
@@ -61,6 +70,11 @@ class RunDirectory:
             parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
+            if isinstance(e, FileExistsError):  # mkdir says only that the name exists: stat says why
+                try:
+                    parent.stat()
+                except OSError as why:  # a symlink loop (ELOOP), a dangling link
+                    e = why
             raise ConfigError(f"train.output_dir={str(parent)!r}: cannot write there ({e.strerror}); "
                               "choose a writable train.output_dir") from None
         try:
@@ -95,23 +109,26 @@ class RunDirectory:
         the finished run is about to be overwritten (that starts fresh)."""
         return self.cfg.checkpoint.resume == "auto" and not self.finished
 
-    def start(self, start_step: int) -> None:
-        """Collective, once everything is loaded and the run starts at `start_step`: make the
-        directory this run's own (rank 0 does the work; a failure stops every rank alike)."""
-        decided_on_rank0(lambda: self._start(start_step))
+    def start(self, start_step: int, damaged: set[Path]) -> None:
+        """Collective, once everything is loaded and the run starts at `start_step` (`damaged`: the
+        checkpoints the resume skipped): make the directory this run's own (rank 0 does the work; a
+        failure stops every rank alike)."""
+        decided_on_rank0(lambda: self._start(start_step, damaged))
 
-    def _start(self, start_step: int) -> None:
+    def _start(self, start_step: int, damaged: set[Path]) -> None:
         try:
             if self.finished and not self._continues_own_checkpoint():
-                self._move_aside(_RUN_FILES, "the finished run (train.overwrite)")
+                self._move_aside(_RUN_FILES, OVERWRITTEN, "the finished run (train.overwrite)")
             else:
-                # Checkpoints beyond the start (resume=none, or an older checkpoint of this run, or
-                # damaged ones that were skipped) belong to a line of training this run replaces:
-                # set aside, or retention and `resume: auto` would take them for this run's newest.
-                later = [f"checkpoints/{p.name}" for p in committed_checkpoints(self.checkpoints)
-                         if step_of(p) > start_step]
-                if later:
-                    self._move_aside(later, f"checkpoints after step {start_step}")
+                # Set aside, or retention and `resume: auto` would take them for this run's newest.
+                later = [p for p in committed_checkpoints(self.checkpoints) if step_of(p) > start_step]
+                broken = [f"checkpoints/{p.name}" for p in later if p in damaged]
+                replaced = [f"checkpoints/{p.name}" for p in later if p not in damaged]
+                if broken:
+                    self._move_aside(broken, DAMAGED, "damaged checkpoints",
+                                     "kept for inspection: delete them when you no longer need them")
+                if replaced:
+                    self._move_aside(replaced, SET_ASIDE, f"checkpoints after step {start_step}")
             (self.path / FINISHED).unlink(missing_ok=True)
             (self.path / STOPPED_MARKER).unlink(missing_ok=True)  # a requeued run is running again
             self.path.mkdir(parents=True, exist_ok=True)
@@ -121,16 +138,23 @@ class RunDirectory:
                               "space, or set another train.output_dir") from None
         log0(f"run directory {self.path}; resolved config:\n{to_yaml(self.cfg)}")
 
-    def _move_aside(self, names, what: str) -> None:
-        old = self.path / OVERWRITTEN
-        shutil.rmtree(old, ignore_errors=True)  # set aside twice: the older set goes
+    def _move_aside(self, names, into: str, what: str,
+                    fate: str = "it is deleted when this run finishes") -> None:
+        """Move `names` (relative to the run) into `<run>/<into>/`, never over anything already
+        there: what an earlier start set aside stays until the run finishes."""
         for name in names:
             if (self.path / name).exists():
-                (old / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(self.path / name, old / name)
-        log0(f"run directory: {what} moved to {old}; it is deleted when this run finishes")
+                target = self.path / into / name
+                for n in itertools.count(2):
+                    if not target.exists():
+                        break
+                    target = self.path / into / f"{name}.{n}"
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(self.path / name, target)
+        log0(f"run directory: {what} moved to {self.path / into}; {fate}")
 
     def finish(self) -> None:
         """Rank 0: mark the run finished; only now drop the run it overwrote."""
         atomic.write_file(self.path / FINISHED, "")
-        shutil.rmtree(self.path / OVERWRITTEN, ignore_errors=True)
+        for replaced in (OVERWRITTEN, SET_ASIDE):
+            shutil.rmtree(self.path / replaced, ignore_errors=True)
