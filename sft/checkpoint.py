@@ -7,6 +7,7 @@ Layout of a run directory's checkpoints:
         scheduler.pt             LR scheduler state
         rng-rank{r}.pt           python / numpy / torch / cuda RNG state of rank r
         train_state.json         step, tokens seen, global batch, world size, first eval loss
+        digests.json             CRC-32 of each DCP data file, verified before a resume loads it
         config.yaml              the resolved config of the run
         hf/                      the model's config.json and tokenizer (export needs nothing else)
     checkpoints/latest           name of the newest committed checkpoint (for people and tools)
@@ -14,7 +15,10 @@ Layout of a run directory's checkpoints:
 A save writes `step-N.tmp/`, waits for every rank, fsyncs it and renames it to `step-N/`, then
 rewrites `latest`, and only then deletes checkpoints beyond `keep_last`: a crash at any point
 leaves a complete checkpoint. Resume `auto` takes the newest complete `step-N/`, skipping (with a
-warning) any that is incomplete or damaged: every file a resume reads is checked (sizes, parse).
+warning) any that is incomplete or damaged: every file a resume reads is checked (sizes, parse,
+every rank's RNG file), and the DCP data files against the CRC-32 of each written at commit
+(`digests.json`; the ranks share the reading). A skipped checkpoint is set aside by the run
+directory (sft/rundir.py), so a requeued job does not stumble on it again.
 A save that fails (disk full, permissions) removes its `.tmp`, leaves the previous checkpoints as
 they were and stops the run with one clear error.
 
@@ -32,6 +36,7 @@ import shutil
 import sys
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -80,6 +85,12 @@ class CheckpointError(UserError):
     """A checkpoint cannot be used or written; the message names the directory and the fix."""
 
 
+def _unusable(resume: str, problem: str, shared: bool = False) -> CheckpointError:
+    error = CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
+    error.shared = shared  # raised alike on every rank: reported once
+    return error
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -105,6 +116,50 @@ def committed_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=step_of, reverse=True)
 
 
+DIGESTS = "digests.json"
+
+
+def _digest(path: Path) -> str:
+    """CRC-32 of a file's bytes: 3.6 GiB/s on one core of the CPU dev machine, and zlib releases the
+    GIL, so the writer thread computes it beside training."""
+    crc, buffer = 0, bytearray(1 << 24)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return f"crc32:{crc:08x}"
+
+
+def _data_files(path: Path, rank: int = 0, world_size: int = 1) -> list[Path]:
+    """This rank's share of a checkpoint's DCP data files (every world_size-th, sorted by name)."""
+    return sorted(path.glob("*.distcp"))[rank::world_size]
+
+
+def content_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Which of this rank's share of `path`'s data files differs from the digest written at commit
+    (a bit flip, a partial overwrite, bytes of the right size that are not the checkpoint), or
+    None. A checkpoint written before digests existed has none to check against."""
+    try:
+        digests = json.loads((path / DIGESTS).read_text())
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        return f"unreadable {DIGESTS} ({type(e).__name__})"
+    for data in _data_files(path, rank, world_size):
+        if data.name not in digests:
+            return f"{data.name} is not in {DIGESTS}"
+        if _digest(data) != digests[data.name]:
+            return f"{data.name} differs from its digest (damaged after it was written)"
+    return None
+
+
+def _write_shards(state: dict, tmp: Path, group: dist.ProcessGroup | None, rank: int, world_size: int) -> dict:
+    """Collective: write the sharded state (DCP) into `tmp`; return the digests of this rank's share
+    of the data files, all of which exist once dcp.save returns on any rank."""
+    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    return {data.name: _digest(data) for data in _data_files(tmp, rank, world_size)}
+
+
 def checkpoint_problem(path: Path, files: tuple[str, ...] = tuple(_FILES)) -> str | None:
     """Why `path` is not a complete, readable checkpoint (DCP data plus `files`), or None."""
     if not path.is_dir():
@@ -125,6 +180,11 @@ def checkpoint_problem(path: Path, files: tuple[str, ...] = tuple(_FILES)) -> st
             _FILES[name](path / name)
         except Exception as e:  # empty, truncated or garbage: what a crash before fsync leaves
             return f"unreadable {name} ({type(e).__name__})"
+    if "train_state.json" in files:  # every rank of the saving run wrote its RNG state
+        ranks = _read_train_state(path / "train_state.json")["world_size"]
+        missing = [f"rng-rank{r}.pt" for r in range(ranks) if not (path / f"rng-rank{r}.pt").is_file()]
+        if missing:
+            return f"missing {', '.join(missing)}"
     for rng in path.glob("rng-rank*.pt"):
         try:
             torch.load(rng, weights_only=False)
@@ -198,24 +258,44 @@ class Checkpointer:
         self._writer: ThreadPoolExecutor | None = None
         self._staging = HostStaging()
         self._staging_job: Future | None = None  # the writer thread making or pinning host buffers
+        self.skipped: set[Path] = set()  # damaged checkpoints resume_point passed over
 
     def resume_point(self, auto: bool) -> Path | None:
-        """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path)."""
-        return decided_on_rank0(lambda: self._find(self.cfg.checkpoint.resume, auto))
+        """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path),
+        complete and readable (rank 0 checks) with its data as written (each rank reads a share of
+        the data files against their digests). With auto, a damaged one is skipped for the next
+        older, with one line naming the file and what is wrong with it; `skipped` keeps them."""
+        resume = self.cfg.checkpoint.resume
+        while (candidate := decided_on_rank0(lambda: self._find(resume, auto))) is not None:
+            problems: list = [None] * self.env.world_size
+            dist.all_gather_object(problems, content_problem(candidate, self.env.rank, self.env.world_size))
+            problem = next((p for p in problems if p), None)
+            if problem is None:
+                break
+            if resume not in ("auto", "none"):
+                raise _unusable(resume, problem, shared=True)
+            log0(f"checkpoint: skipping {candidate} ({problem})")
+            self.skipped.add(candidate)
+        # Rank 0 also added those it found incomplete: every rank keeps the same set.
+        self.skipped = decided_on_rank0(lambda: self.skipped)
+        return candidate
 
     def _find(self, resume: str, auto: bool) -> Path | None:
         if resume not in ("auto", "none"):
             problem = checkpoint_problem(Path(resume))
             if problem:
-                raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
+                raise _unusable(resume, problem)
             return Path(resume)
         if resume == "none" or not auto:
             return None
         for candidate in committed_checkpoints(self.root):
+            if candidate in self.skipped:
+                continue
             problem = checkpoint_problem(candidate)
             if problem is None:
                 return candidate
             log0(f"checkpoint: skipping {candidate} ({problem})")
+            self.skipped.add(candidate)  # said once
         return None
 
     def check_room(self, model: nn.Module, resume_from: Path | None, total_steps: int) -> None:
@@ -257,7 +337,7 @@ class Checkpointer:
             set_model_state_dict(model, state["model"])
             return fresh, f"loaded the prepared-model cache {prepared}"
         else:
-            load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed), self.env.device)
+            load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
             source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
             if prepared is None:
                 return fresh, f"loaded weights from {source}"
@@ -306,12 +386,13 @@ class Checkpointer:
         in_background = not blocking and self.cfg.checkpoint.async_save
         background: Future | None = None
         error: BaseException | None = None
+        digests: dict = {}
         try:
             # DCP first: its collectives run before any rank can fail alone on the small files.
             if in_background:
                 background = self._async_save(state, tmp)
             else:
-                dcp.save(state, checkpoint_id=tmp)
+                digests = _write_shards(state, tmp, None, self.env.rank, self.env.world_size)
             torch.save(_rng_state(), tmp / f"rng-rank{self.env.rank}.pt")
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -325,7 +406,7 @@ class Checkpointer:
             # Every rank takes this path, failed or not, so all reach finish() together in wait().
             self._pending = (commit, background, error)
         else:
-            self._commit(commit, error)
+            self._commit(commit, error, digests)
         return final
 
     def prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
@@ -367,7 +448,8 @@ class Checkpointer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()  # the copies into pinned memory are asynchronous
         log0(f"checkpoint: copied the state to host memory in {time.perf_counter() - t0:.1f} s")
-        written = self._writer.submit(dcp.save, staged_state, checkpoint_id=tmp, process_group=self._group)
+        written = self._writer.submit(_write_shards, staged_state, tmp, self._group, self.env.rank,
+                                      self.env.world_size)
         # Off the training path and after the write: pin any buffer this save had to make. Not
         # part of `written`: the commit does not wait for it.
         self._staging_job = self._writer.submit(self._staging.pin_new_buffers, self.env.rank)
@@ -390,14 +472,15 @@ class Checkpointer:
             return
         commit, background, error = self._pending
         self._pending = None
+        digests: dict = {}
         if background is not None:
             try:
-                background.result()
+                digests = background.result()
             except SAVE_FAILURES as e:
                 error = error or e
-        self._commit(commit, error)
+        self._commit(commit, error, digests)
 
-    def _commit(self, commit: _WrittenByAllRanks, error: BaseException | None) -> None:
+    def _commit(self, commit: _WrittenByAllRanks, error: BaseException | None, digests: dict) -> None:
         """Collective: commit the written checkpoint (or raise every rank's one error), then point
         `latest` at it and apply retention (rank 0).
 
@@ -405,7 +488,7 @@ class Checkpointer:
         saves (step-N.tmp, step-N.old) deleted. A failure here is a warning: resume does not need
         `latest`, and what was not deleted is deleted after the next save.
         """
-        commit.finish(error)
+        commit.finish(error, digests)
         final = commit.final
 
         def publish() -> None:
@@ -555,20 +638,22 @@ class _WrittenByAllRanks:
         decided_on_rank0(make)
         return self.tmp
 
-    def finish(self, error: BaseException | None) -> None:
-        """Collective: commit, or (if `error`, or another rank's) remove the .tmp and raise the
-        same error on every rank, naming the lowest failed rank's cause as that rank judged it."""
+    def finish(self, error: BaseException | None, digests: dict | None = None) -> None:
+        """Collective: commit (with every rank's `digests` of its data files in digests.json), or
+        (if `error`, or another rank's) remove the .tmp and raise the same error on every rank,
+        naming the lowest failed rank's cause as that rank judged it."""
         mine = None
         if error is not None:
             try:
                 mine = self._judge(error)
             except Exception as e:  # never skip the collective below: the other ranks wait in it
                 mine = (False, self.env.rank, f"{type(error).__name__} (judging it failed: {e!r})", False)
-        causes: list = [None] * self.env.world_size
-        dist.all_gather_object(causes, mine)
-        failed = sorted(cause for cause in causes if cause is not None)
+        reports: list = [None] * self.env.world_size
+        dist.all_gather_object(reports, (mine, digests or {}))
+        failed = sorted(cause for cause, _ in reports if cause is not None)
         if not failed:
-            decided_on_rank0(self._commit)
+            everyone = {name: digest for _, share in reports for name, digest in share.items()}
+            decided_on_rank0(lambda: self._commit(everyone))
             return
         if self.env.is_main:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -581,8 +666,10 @@ class _WrittenByAllRanks:
     def __exit__(self, kind, error, _tb) -> None:
         self.finish(error)
 
-    def _commit(self) -> None:
+    def _commit(self, digests: dict) -> None:
         try:
+            if digests:
+                (self.tmp / DIGESTS).write_text(json.dumps(digests, indent=1, sort_keys=True))
             atomic.commit(self.tmp, self.final)
         except OSError as e:
             shutil.rmtree(self.tmp, ignore_errors=True)

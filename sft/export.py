@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from sft import atomic
-from sft.checkpoint import CheckpointError, checkpoint_problem
+from sft.checkpoint import CheckpointError, checkpoint_problem, content_problem
 from sft.config import DTYPES, ModelConfig, run_command
 from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
@@ -57,13 +57,13 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
         load_tokenizer(model_cfg).save_pretrained(tmp)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a committed checkpoints/step-N directory")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    args = parser.parse_args()
-    problem = checkpoint_problem(args.checkpoint)
+    args = parser.parse_args(argv)
+    problem = checkpoint_problem(args.checkpoint) or content_problem(args.checkpoint)
     if problem:
         raise CheckpointError(f"{args.checkpoint} is not a usable checkpoint ({problem}): give a committed "
                               "checkpoints/step-N directory (its run's checkpoints/latest names the newest)")
