@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sft.checkpoint import Checkpointer
 from sft.config import check_machine, parse_args, run_command
 from sft.data import TrainBatches, MicroBatches, load_sft_data
-from sft.distributed import init_distributed, log0
+from sft.distributed import init_distributed, log0, rank0_first
 from sft.evaluate import evaluate
 from sft.export import export_hf
 from sft.float8 import precompute_float8_scales
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)
     run.open()
-    tokenizer = load_tokenizer(cfg.model)
+    # Rank 0 reads the inputs first: a bad one is one error, reported once (rank0_first).
+    tokenizer = rank0_first(lambda: load_tokenizer(cfg.model))
     ckpt = Checkpointer(cfg, tokenizer, env)
     resume_from = ckpt.resume_point(auto=run.resume_auto())
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Model: built on meta, wrapped in the fixed order float8 -> AC -> compile -> FSDP, then
     # materialised shard by shard, so no rank ever holds the full weights.
-    model = build_meta_model(cfg.model)
+    model = rank0_first(lambda: build_meta_model(cfg.model))
     if gpu_mem_gib:  # before anything is allocated: would this run fit?
         warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
         if warning:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
              "checkpoint; the data order from here differs from the original run's")
 
     start_step = state["step"]
-    run.start(start_step)  # everything loaded: only now does this run change its directory
+    run.start(start_step, ckpt.skipped)  # everything loaded: only now does this run change its directory
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
     startup_s = seconds_since_process_start()

@@ -10,12 +10,14 @@ Formats (detected from the columns):
   (benchmarks, or data prepared elsewhere).
 
 Tokenisation runs through `datasets.map`, so it is cached on disk and a rerun starts at once.
-Rank 0 tokenises first; the other ranks then read its cache.
+Rank 0 loads and tokenises first (so bad data is one error, reported once); the other ranks then
+read its cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
@@ -24,18 +26,17 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import datasets
 import numpy as np
 import pyarrow.compute as pc
 from datasets.fingerprint import Hasher
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import ConfigError, DataConfig, UserError, load_config, run_command
-from sft.distributed import decided_on_rank0, log0
+from sft.distributed import log0, rank0_first
 from sft import masking
 from sft.collate import collate, collate_packed
 from sft.model import load_tokenizer
@@ -43,8 +44,6 @@ from sft.masking import IGNORE_INDEX, DropSample, encode_segments, render_segmen
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
 datasets.disable_progress_bars()
-
-T = TypeVar("T")
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "tool": "tool", "function_call": "assistant",
@@ -59,46 +58,66 @@ class DataError(UserError):
 SOURCE_ROW = "source_row"
 
 
-def _check_jsonl(path: Path, key: str) -> None:
-    """After `datasets` failed to read a JSONL file: raise a DataError naming the first bad line, if any."""
+def _check_jsonl(path: Path, source: str) -> None:
+    """After `datasets` failed to read a JSONL file: raise a DataError naming the first bad line (not
+    UTF-8, not JSON, not an object), if any."""
     nonblank = 0
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{source}: line {number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
             if not line.strip():
                 continue
             nonblank += 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{key}={str(path)!r}: line {number} is not valid JSON: {e}") from None
+                raise DataError(f"{source}: line {number} is not valid JSON: {e}") from None
             if not isinstance(row, dict):
-                raise DataError(f"{key}={str(path)!r}: line {number} is a JSON {type(row).__name__}, "
+                raise DataError(f"{source}: line {number} is a JSON {type(row).__name__}, "
                                 "expected one object per line like {\"messages\": [...]}")
     if nonblank == 0:
-        raise DataError(f"{key}={str(path)!r}: the dataset is empty (only blank lines)")
+        raise DataError(f"{source}: the dataset is empty (only blank lines)")
 
 
 def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None, key: str) -> datasets.Dataset:
-    local = Path(path)
+    local, source = Path(path), f"{key}={path!r}"
     try:
         if local.suffix in (".jsonl", ".json", ".parquet"):
             if not local.is_file():
-                raise DataError(f"{key}={path!r}: file not found")
+                raise DataError(f"{source}: file not found")
             if local.stat().st_size == 0:
-                raise DataError(f"{key}={path!r}: the dataset is empty")
+                raise DataError(f"{source}: the dataset is empty")
             builder = "parquet" if local.suffix == ".parquet" else "json"
-            rows = datasets.load_dataset(builder, data_files=str(local), split="train", cache_dir=cache_dir)
+            with _datasets_errors_unlogged():
+                rows = datasets.load_dataset(builder, data_files=str(local), split="train", cache_dir=cache_dir)
         else:
-            rows = datasets.load_dataset(path, subset, split=split, cache_dir=cache_dir)
+            with _datasets_errors_unlogged():
+                rows = datasets.load_dataset(path, subset, split=split, cache_dir=cache_dir)
     except DataError:
         raise
     except Exception as e:  # datasets raises many types (hub, parsing, missing split)
         if local.suffix == ".jsonl":  # its messages do not say which line; find it
-            _check_jsonl(local, key)
-        raise DataError(f"{key}={path!r}: could not load the dataset: {type(e).__name__}: {e}") from None
+            _check_jsonl(local, source)
+        raise DataError(f"{source}: could not load the dataset: {type(e).__name__}: {e}") from None
     if len(rows) == 0:
-        raise DataError(f"{key}={path!r}: the dataset is empty")
+        raise DataError(f"{source}: the dataset is empty")
     return rows.add_column(SOURCE_ROW, list(range(len(rows))))
+
+
+@contextlib.contextmanager
+def _datasets_errors_unlogged():
+    """datasets logs its own error before raising it ("... in row 20", counted from 0), beside ours,
+    which names the line (counted from 1) and the fix: the user gets ours alone."""
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _where(path: str, source_rows: list[int]) -> dict[int, str]:
@@ -124,8 +143,11 @@ def detect_format(columns: list[str], source: str) -> str:
         if needed <= set(columns):
             return fmt
     columns = [c for c in columns if c != SOURCE_ROW]
+    # A line that is a bare list of messages reaches us as one row per message.
+    bare = "; each line looks like a bare list of messages: write {\"messages\": [...]}" if {"role", "content"} <= set(
+        columns) else ""
     raise DataError(f"{source}: no 'messages', 'conversations', 'prompt'+'completion' or 'input_ids'+'labels' column "
-                    f"(found: {', '.join(columns)}); see README 'Data formats'")
+                    f"(found: {', '.join(columns)}){bare}; see README 'Data formats'")
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -203,17 +225,6 @@ def _tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, 
 _TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsource(masking)
 
 
-def _rank0_first(work: Callable[[], T]) -> T:
-    """Rank 0 runs `work` (filling the datasets cache) before the other ranks run it (reading that
-    cache). The others wait without the collective timeout: a first run on a large dataset can
-    tokenise for longer than dist.timeout_minutes."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return work()
-    done: list[T] = []
-    decided_on_rank0(lambda: done.append(work()), long_wait=True)
-    return done[0] if done else work()
-
-
 @dataclass
 class SplitReport:
     """What tokenising one split kept and dropped."""
@@ -237,10 +248,15 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     # long (seconds for a 151k vocabulary), and the C pickle is as complete and as deterministic.
     fingerprint = Hasher.hash([rows._fingerprint, _TOKENISATION_SOURCE, pickle.dumps(tokenizer),
                                {k: v for k, v in kwargs.items() if k != "tokenizer"}])
-    tokenized = _rank0_first(lambda: rows.map(
-        _tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
-        num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
-        desc=f"tokenising {split_name}"))
+    try:
+        tokenized = rows.map(_tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
+                             num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
+                             desc=f"tokenising {split_name}")
+    except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until a row is read
+        if Path(path).suffix == ".jsonl":
+            _check_jsonl(Path(path), source)
+        raise DataError(f"{source}: not UTF-8 text ({e.reason}: byte 0x{e.object[e.start]:02x}); convert the file "
+                        "to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
 
     columns = tokenized.select_columns(["drop_reason", SOURCE_ROW, "cut"]).to_dict()  # read once
     first: dict[str, int] = {}
@@ -286,7 +302,7 @@ def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
                   seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Return (train, eval or None) with columns input_ids, labels, length (and source_row: the row's
     position in its file)."""
-    train, evals, _ = prepare_sft_data(cfg, tokenizer, seed)
+    train, evals, _ = rank0_first(lambda: prepare_sft_data(cfg, tokenizer, seed))
     return train, evals
 
 

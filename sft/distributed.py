@@ -105,6 +105,20 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
 T = TypeVar("T")
 
 
+def rank0_first(work: Callable[[], T]) -> T:
+    """Collective: rank 0 runs `work` before the other ranks do, so that bad input (a missing model,
+    malformed data) stops every rank with one error, reported once, and the others then read what
+    rank 0 left in the caches (the datasets cache, the hub cache). They wait without the collective
+    timeout: a first run on a large dataset can tokenise for longer than dist.timeout_minutes.
+    Never call it inside `work` of another collective helper: the ranks would wait in different
+    collectives."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return work()
+    done: list[T] = []
+    decided_on_rank0(lambda: done.append(work()), long_wait=True)
+    return done[0] if done else work()
+
+
 def decided_on_rank0(decide: Callable[[], T], long_wait: bool = False) -> T:
     """Collective: run `decide` on rank 0 only and hand its result, or its error, to every rank.
 

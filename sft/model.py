@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
 from safetensors import safe_open
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from sft.config import ModelConfig, UserError
+from sft.distributed import rank0_first
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
 # which adds nothing).
@@ -123,12 +125,24 @@ class SafetensorsWeights:
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
-        self.root, self.weight_map = root, weight_map
+        self.source, self.root, self.weight_map = directory, root, weight_map
+
+    def check(self, model: nn.Module) -> None:
+        """One clear error if the files lack a parameter of `model` or hold it in another shape
+        (weights of another architecture or size than their config.json), before any rank reads."""
+        shapes = {}
+        for file in sorted(set(self.weight_map.values())):  # headers only
+            with safe_open(self.root / file, framework="pt") as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        wrong = [f"{name}: {tuple(p.shape)} in the model of config.json, {shapes.get(name, 'absent')} in the files"
+                 for name, p in ((clean_name(n), p) for n, p in model.named_parameters())
+                 if shapes.get(name) != tuple(p.shape)]
+        if wrong:
+            raise ModelError(f"model.name_or_path={self.source!r}: its weights do not match its config.json "
+                             f"({len(wrong)} tensors differ, "
+                             f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise ModelError(f"{self.root}: checkpoint has no tensor {name!r}; is it the same architecture "
-                             "as its config.json?")
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
         with safe_open(self.root / self.weight_map[name], framework="pt", device="cpu") as f:
@@ -187,5 +201,15 @@ def materialize(model: nn.Module, buffers: dict[str, torch.Tensor], device: torc
     assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"
 
 
-def initial_weights(cfg: ModelConfig, seed: int) -> SafetensorsWeights | RandomWeights:
-    return SafetensorsWeights(cfg.name_or_path) if cfg.init == "pretrained" else RandomWeights(cfg, seed)
+def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> SafetensorsWeights | RandomWeights:
+    """Collective: where `model`'s initial weights come from. Rank 0 opens and checks the files
+    first, so missing or mismatched weights are one error, said once."""
+    if cfg.init != "pretrained":
+        return RandomWeights(cfg, seed)
+
+    def opened() -> SafetensorsWeights:
+        weights = SafetensorsWeights(cfg.name_or_path)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            weights.check(model)
+        return weights
+    return rank0_first(opened)

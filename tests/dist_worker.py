@@ -76,7 +76,7 @@ def main() -> None:
 
     if args.reference:
         materialize(model, buffers, env.device)
-        load_weights(model, initial_weights(model_cfg, 0), env.device)
+        load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         batch = collate(samples, pad_token_id=0, max_seq_len=4096)
         loss = model(**batch).loss
         loss.backward()
@@ -90,7 +90,7 @@ def main() -> None:
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)
-        load_weights(model, initial_weights(model_cfg, 0), env.device)
+        load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         rss = torch.zeros(env.world_size)
         rss[env.rank] = peak_rss_gib() - rss_before
         result["load_rss_increase_gib"] = all_reduce_sum(rss, env.device).tolist()

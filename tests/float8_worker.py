@@ -80,7 +80,7 @@ def main() -> None:
         ckpt.restore(Path(args.resume), model, optimizer, scheduler)
         result["loaded"] = full_params(model)
     else:
-        load_weights(model, initial_weights(model_cfg, 0), env.device)
+        load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         result["loaded"] = full_params(model)
     samples = synthetic_global_batch(8)
     per_rank = len(samples) // env.world_size

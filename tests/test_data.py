@@ -97,12 +97,14 @@ def test_every_sample_dropped_is_an_error(tmp_path, tok):
     ("\n  \n\n", "the dataset is empty \\(only blank lines\\)"),
     ('{"messages": []}\n\n{"messages": [}\n', "line 3 is not valid JSON: Expecting value: line 1 column 15"),
     ('{"messages": []}\n[1, 2]\n', "line 2 is a JSON list, expected one object per line"),
+    (b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',
+     "line 2 is not UTF-8 text \\(byte 0xe9 at column 47\\); convert the file to UTF-8"),
     ('{"text": "hello"}\n', "no 'messages', 'conversations', 'prompt'\\+'completion' or 'input_ids'\\+'labels' column \\(found: text\\)"),
 ])
 def test_bad_files_give_one_clear_error(tmp_path, tok, content, message):
     path = tmp_path / "f.jsonl"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError, match=message):
         load(tok, path)
 

@@ -18,7 +18,7 @@ def model():
     cfg = ModelConfig(name_or_path=str(DEMO_MODEL), init="random")
     m = build_meta_model(cfg)
     materialize(m, real_buffers(m), torch.device("cpu"))
-    load_weights(m, initial_weights(cfg, 0), torch.device("cpu"))
+    load_weights(m, initial_weights(cfg, 0, m), torch.device("cpu"))
     attach_sft_loss(m)
     return m.eval()
 

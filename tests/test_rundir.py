@@ -7,6 +7,7 @@ output: one `error:` line and no traceback from train.py.
 """
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -163,6 +164,71 @@ def test_config_errors_under_torchrun_are_reported_once(tmp_path, demo_data):
     assert one_clear_error(proc).startswith("error: invalid config (configs/demo.yaml with overrides")
     assert "ac.ratio=2.0: must be in [0, 1]" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
+    """case -> (train.py overrides, what its one error line says)."""
+    from helpers import model_dir
+    from sft.config import ModelConfig
+    from sft.hf_io import write_safetensors
+    from sft.model import RandomWeights
+
+    good = (demo_data / "train.jsonl").read_text().splitlines(keepends=True)
+    files = {
+        "malformed.jsonl": "".join(good[:20]) + '{"messages": [oops\n' + "".join(good[20:23]),
+        "empty.jsonl": "",
+        "no_assistant.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n' * 3,
+        "robot.jsonl": '{"conversations": [{"from": "robot", "value": "hi"}, {"from": "gpt", "value": "ok"}]}\n',
+        "lists.jsonl": '[{"role": "user", "content": "hi"}]\n',
+        "int_content.jsonl": '{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "ok"}]}\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "latin1.jsonl").write_bytes("".join(good[:3]).encode() + '{"messages": [{"role": "user", "content": '
+                                            '"caf\xe9"}, {"role": "assistant", "content": "ok"}]}\n'.encode("latin1"))
+    # The demo model's weights (4 blocks) under a config.json of 5 blocks.
+    other = model_dir(tmp_path, tied=True, num_hidden_layers=5)
+    weights = RandomWeights(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model"), init="random"), 0)
+    write_safetensors(((n, weights.read(n, (), torch.device("cpu"))) for n, _ in weights.reference.named_parameters()),
+                      other)
+    data = lambda name: f"data.path={tmp_path / name}"  # noqa: E731
+    return {
+        "missing model directory": (["model.name_or_path=/no/such/model"],
+                                    "model.name_or_path='/no/such/model': no such directory"),
+        "malformed JSONL": ([data("malformed.jsonl")], "line 21 is not valid JSON"),
+        "empty file": ([data("empty.jsonl")], "empty.jsonl': the dataset is empty"),
+        "weights of another architecture": ([f"model.name_or_path={other}", "model.init=pretrained"],
+                                            "its weights do not match its config.json (12 tensors differ, e.g. "
+                                            "model.layers.4."),
+        "no assistant turn": ([data("no_assistant.jsonl")], "every train sample was dropped (3x no assistant turn)"),
+        "unknown ShareGPT role": ([data("robot.jsonl")], "unknown ShareGPT role 'robot'"),
+        "rows that are lists": ([data("lists.jsonl")], "(found: role, content); each line looks like a bare list of "
+                                                       "messages: write {\"messages\": [...]}"),
+        "integer content": ([data("int_content.jsonl")], "user content is int, expected a string"),
+        "not UTF-8": ([data("latin1.jsonl")], "line 4 is not UTF-8 text (byte 0xe9 at column 47)"),
+    }
+
+
+def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path, demo_data):
+    """Every rank reads the same bad input; the user reads about it once, and only our line (not
+    also the datasets library's, counted differently)."""
+    cases = bad_inputs(tmp_path, demo_data)
+    # A run name each: the lock of a failed start is held until its process exits.
+    argvs = {name.replace(" ", "_"): demo_args(demo_data, tmp_path, name.replace(" ", "_"), "data.eval_path=null",
+                                               "dist.timeout_minutes=0.5", *overrides)[1:]
+             for name, (overrides, _) in cases.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(argvs))
+    (tmp_path / "out").mkdir()
+    from sft.distributed import _free_port
+
+    run_torchrun(["tests/errors_worker.py", str(tmp_path / "cases.json"), str(tmp_path / "out"), str(_free_port())],
+                 nproc=2)
+    for name, (_, message) in cases.items():
+        said = {rank: (tmp_path / "out" / f"{name.replace(' ', '_')}.rank{rank}.txt").read_text() for rank in (0, 1)}
+        errors = [line for text in said.values() for line in text.splitlines() if line.startswith("error")]
+        assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], (name, said)
+        assert "Traceback" not in said[0] + said[1] and " row " not in said[0] + said[1], (name, said)
+    assert not any((tmp_path / name).exists() for name in argvs)  # a failed start leaves no trace
 
 
 def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
