@@ -30,7 +30,7 @@ demo-data:
 	$(PYTHON) scripts/demo_data.py --out data/demo
 
 demo: install demo-data
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) train.py --config configs/demo.yaml
+	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo.yaml
 	-$(PYTHON) -m sft.plot runs/demo
 	$(PYTHON) -m sft.chat runs/demo/export --prompt "Spell the word 'rocket'."
 

@@ -564,17 +564,18 @@ def update_readme(path: Path) -> None:
     path.write_text(text[:start] + reference_markdown() + text[end:])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     # python -m sft.config                      -> the config reference (markdown)
     # python -m sft.config --readme README.md   -> refresh the README's copy of it
     # python -m sft.config CONFIG [overrides]   -> the resolved config, validated
     # python -m sft.config --run-dir CONFIG [overrides]  -> the run directory (slurm/train.slurm)
-    if sys.argv[1:2] == ["--readme"]:
-        update_readme(Path(sys.argv[2]))
-    elif sys.argv[1:2] == ["--run-dir"]:
-        print(load_config(sys.argv[2], sys.argv[3:]).run_dir)
-    elif len(sys.argv) > 1:
-        print(to_yaml(load_config(sys.argv[1], sys.argv[2:])), end="")
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--readme"]:
+        update_readme(Path(args[1]))
+    elif args[:1] == ["--run-dir"]:
+        print(load_config(args[1], args[2:]).run_dir)
+    elif args:
+        print(to_yaml(load_config(args[0], args[1:])), end="")
     else:
         print(reference_markdown(), end="")
 

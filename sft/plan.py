@@ -225,7 +225,8 @@ def planning_model(cfg: ModelConfig) -> tuple[nn.Module, str]:
         return build_meta_model(dataclasses.replace(cfg, name_or_path=str(shipped))), note
 
 
-def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
+def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
+    """The planner's report, and whether any setting fits (GPU and, with offload, host)."""
     model, shapes_note = planning_model(cfg.model)
     s = Shapes.of(model)
     lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {m.gpus} GPUs "
@@ -257,7 +258,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
                      f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
-    return "\n".join(lines)
+    return "\n".join(lines), choice is not None
 
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
@@ -290,7 +291,8 @@ def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: floa
             f"<this config> --gpus {world_size} --gpu-mem {gpu_mem_gib:.0f}`")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Print the plan; exit status 1 when nothing fits, so a script can stop before queueing."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--gpus", type=int, required=True, help="total number of GPUs")
@@ -301,10 +303,12 @@ def main() -> None:
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help=f"with fsdp.cpu_offload: GPUs per node (default: min(--gpus, {DEFAULT_GPUS_PER_NODE}))")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)
     note = "" if args.host_mem else " (this machine's memory: pass --host-mem for the compute nodes')"
-    print(plan(load_config(args.config, args.overrides, local_checks=False), m, note))
+    report, fits = plan(load_config(args.config, args.overrides, local_checks=False), m, note)
+    print(report)
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

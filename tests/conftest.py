@@ -1,10 +1,27 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from compile_cache import SessionCache
 from helpers import REPO
+
+# Compiled blocks are cached across sessions (make test exports TORCHINDUCTOR_CACHE_DIR); each
+# session compiles into a copy that replaces the cache only if the session was not interrupted.
+_compile_cache = SessionCache(Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or REPO / ".cache" / "inductor"))
+
+
+def pytest_sessionstart(session):
+    _compile_cache.begin()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        _compile_cache.discard()
+    else:
+        _compile_cache.commit()
 
 
 @pytest.fixture(scope="session")

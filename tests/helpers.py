@@ -21,10 +21,15 @@ DEMO_MODEL = REPO / "configs" / "demo" / "model"
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+# torchrun as the README launches it: SIGUSR1, too, is forwarded to the workers (a stop with a checkpoint).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+
 def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = True,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node nproc <args>` from the repo root (CPU, gloo)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
@@ -72,14 +77,15 @@ def with_test_hooks(**variables: str) -> dict[str, str]:
     return {"PYTHONPATH": path, **variables}
 
 
-def start_in_background(args: list[str], nproc: int | None, env: dict | None = None) -> subprocess.Popen:
+def start_in_background(args: list[str], nproc: int | None, env: dict | None = None,
+                        new_session: bool = False) -> subprocess.Popen:
     """Start `train.py ...` args under torchrun with `nproc` ranks (or as plain python when None),
-    without waiting, for tests that signal or race a running run."""
-    launcher = [sys.executable] if nproc is None else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                        f"--nproc_per_node={nproc}"]
+    without waiting, for tests that signal or race a running run (`new_session`: in a process
+    group of its own, as a terminal or a supervisor would start it)."""
+    launcher = [sys.executable] if nproc is None else [*TORCHRUN, f"--nproc_per_node={nproc}"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.Popen([*launcher, *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=new_session)
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> None:

@@ -6,13 +6,15 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import (REPO, demo_args, eval_losses, run_demo, run_torchrun, start_in_background,
                      train_losses as train_steps, wait_for_step, with_test_hooks)
-from sft.preemption import REQUEUE_EXIT_CODE
+from sft.checkpoint import checkpoint_problem
+from sft.preemption import LAUNCHER_GONE, REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +88,91 @@ def test_interrupted_or_truncated_checkpoints_are_skipped(continuous, demo_data)
     assert proc.returncode == 2
     assert f"checkpoint.resume='{bad}' is not a usable checkpoint: data file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_corrupt_shard_of_the_right_size_falls_back_to_the_previous_checkpoint(continuous, demo_data):
+    """Random bytes over a data file pass every size check, not its digest: the resume takes step-4
+    with one line naming the file, and step-6 waits in damaged/ instead of failing every requeue."""
+    reference = train_steps(continuous / "continuous")
+    run = continuous / "corrupt"
+    shutil.copytree(continuous / "continuous" / "checkpoints", run / "checkpoints")
+    for step in ("step-4", "step-6"):  # the asynchronous and the final synchronous save
+        written = json.loads((run / "checkpoints" / step / "digests.json").read_text())
+        assert sorted(written) == sorted(p.name for p in (run / "checkpoints" / step).glob("*.distcp"))
+    shard = sorted((run / "checkpoints" / "step-6").glob("*.distcp"))[1]
+    garbage = os.urandom(shard.stat().st_size)
+    shard.write_bytes(garbage)
+    assert checkpoint_problem(shard.parent) is None  # sizes and parses: all it can see
+    proc = run_demo(demo_data, continuous, "corrupt", "eval.every_steps=0", "train.max_steps=6",
+                    "train.micro_batch_size=4", nproc=2)
+    assert (f"checkpoint: skipping {shard.parent} ({shard.name} differs from its digest (damaged after it was "
+            "written))") in proc.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-4'} (step 4" in proc.stdout
+    assert train_steps(run) == {5: reference[5], 6: reference[6]}
+    assert (run / "damaged" / "checkpoints" / "step-6" / shard.name).read_bytes() == garbage
+
+
+def test_a_checkpoint_missing_a_ranks_rng_state_is_damaged(continuous, tmp_path):
+    step = shutil.copytree(continuous / "continuous" / "checkpoints" / "step-6", tmp_path / "step-6")
+    assert checkpoint_problem(step) is None
+    (step / "rng-rank1.pt").unlink()  # rank 1 would resume with a fresh RNG
+    assert checkpoint_problem(step) == "missing rng-rank1.pt"
+
+
+def _children(pid: int) -> list[int]:
+    return [int(stat.split()[0]) for stat in (p.read_text() for p in Path("/proc").glob("[0-9]*/stat") if _readable(p))
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid]
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_text()
+        return True
+    except OSError:  # a process that ended while we looked
+        return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data):
+    """kill -9 of torchrun's process group (a supervisor, Ctrl-\\) does not reach the workers (each
+    has a session of its own): they notice their launcher is gone, stop after the step with a
+    checkpoint and release the run; the same command then resumes bit for bit."""
+    reference = train_steps(continuous / "continuous")
+    args = demo(demo_data, continuous, "orphaned", "train.max_steps=6", "checkpoint.every_steps=2",
+                "train.micro_batch_size=4")
+    proc = start_in_background(args, nproc=2, env=with_test_hooks(SFT_TEST_SLOW_STEP_S="1"), new_session=True)
+    run = continuous / "orphaned"
+    wait_for_step(proc, run, 1)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)  # the workers hold its pipes: this returns once they have exited
+    assert not any(_running(pid) for pid in workers)
+    stopped = json.loads((run / "stopped").read_text())
+    assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3
+    rerun = run_demo(demo_data, continuous, "orphaned", *args[args.index("eval.every_steps=0"):], nproc=2)
+    assert f"(step {stopped['step']}, saved by 2 ranks)" in rerun.stdout
+    resumed = train_steps(run)
+    assert all(resumed[step] == reference[step] for step in range(stopped["step"] + 1, 7))
+
+
+def test_sigusr1_to_torchrun_stops_with_a_checkpoint(tmp_path, demo_data):
+    """torchrun started as the README says forwards SIGUSR1 (without --signals-to-handle it dies
+    of it and orphans the workers)."""
+    proc = start_in_background(demo(demo_data, tmp_path, "usr1", "train.max_steps=1000"), nproc=2,
+                               env=with_test_hooks(SFT_TEST_SLOW_STEP_S="0.5"))
+    wait_for_step(proc, tmp_path / "usr1", 1)
+    proc.send_signal(signal.SIGUSR1)
+    stdout, _ = proc.communicate(timeout=120)
+    stopped = json.loads((tmp_path / "usr1" / "stopped").read_text())
+    assert stopped["signal"] == "SIGUSR1" and f"stopping at step {stopped['step']} on SIGUSR1" in stdout
+    assert (tmp_path / "usr1" / "checkpoints" / "latest").read_text() == f"step-{stopped['step']}\n"
 
 
 # How slurm/train.slurm asks a run to stop: the stop-request file (time limit), or SIGTERM through

@@ -151,10 +151,12 @@ def test_offload_host_budget_is_refused(tmp_path):
 
 def test_cli_plans_offload_on_a_machine_without_gpus():
     def plan(*overrides):
-        return subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
+        proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
                                "--gpu-mem", "80", "--host-mem", "1024", "fsdp.cpu_offload=true",
                                "model.name_or_path=configs/models/qwen2.5-72b", *overrides], cwd=REPO,
-                              capture_output=True, text=True, check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""}).stdout
+                              capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
+        assert proc.returncode == 1, proc.stderr  # the host does not fit: a script can stop before queueing
+        return proc.stdout
 
     out = plan("checkpoint.async_save=false")
     # GPU side: micro-batch 2 at ac 1 without the 12 bytes/parameter of sharded state (47.5 GiB on 64 GPUs with it).
@@ -191,7 +193,7 @@ def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes():
     proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
                            "--gpu-mem", "80", "fsdp.cpu_offload=true"], cwd=REPO, capture_output=True, text=True,
                           env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # offload needs more host memory than this machine has
     assert proc.stdout.startswith(f"Qwen/Qwen2.5-72B (the hub is not reachable: shapes from "
                                   f"{REPO / 'configs/models/qwen2.5-72b'}): 72.71B parameters")
     assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in proc.stdout
