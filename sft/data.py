@@ -9,6 +9,10 @@ Formats (detected from the columns):
 * `input_ids` / `labels`: already tokenised (labels unshifted, -100 = not trained), used as is
   (benchmarks, or data prepared elsewhere).
 
+A conversation becomes one training row, or several when its chat template rewrites history
+(sft/masking.py); the rows keep their conversation's file row, and shuffling, `max_samples` and the
+eval split act on conversations before tokenisation, so a conversation's rows stay on one side.
+
 Tokenisation runs through `datasets.map`, so it is cached on disk and a rerun starts at once.
 Rank 0 tokenises first; the other ranks then read its cache.
 """

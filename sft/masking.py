@@ -17,7 +17,8 @@ through turn k (its inference prompt + what it generates), and an earlier turn i
 when that row holds it exactly as generated (Qwen3's tool steps after one user query). Each turn is
 supervised in exactly one row; the history the rows repeat is the cost (O(turns^2) tokens), reported
 by `python -m sft.data --stats`. `last_turn_only` keeps only the row holding the final turn and
-supervises only that turn: no expansion, the earlier turns are context.
+supervises only that turn: no expansion, the earlier turns are context (the row's tokens are the same
+as with every turn trained; only its labels differ).
 
 Tokenisation follows inference. A row's text is cut at the rendered turn boundaries into prompt
 segments (everything up to and including the generation prompt, e.g. "<|im_start|>assistant\\n") and
@@ -28,7 +29,7 @@ that is half prompt, half reply, which the model never sees at inference (the pr
 then it generates). Whitespace the template writes after the end-of-turn token (ChatML's "\\n")
 belongs to the next prompt segment and is not supervised.
 
-The trade-off: in a row that supervises several turns, earlier turns are tokenised as the model
+The trade-off: in a row that holds several turns as generated, earlier turns are tokenised as the model
 generated them (each on its own), whereas at inference a chat server re-tokenises the whole history
 as one string. The two differ only where a merge would cross a turn boundary, and then the training
 row holds the generated form. History a row does not hold as generated is prompt, tokenised in one piece.
@@ -48,6 +49,7 @@ Where a turn is in the rendering:
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,8 @@ GENERATION_PROMPT_MISMATCH = (
     "the chat template renders an assistant turn not as a continuation of its generation prompt "
     "(add_generation_prompt=True), so what the model generates there is undefined (e.g. reasoning in the data "
     "with enable_thinking: false in data.chat_template_kwargs): fix the data or the template (README: How masking works)")
+
+NOTHING_MARKED = "the chat template marked no assistant text"
 
 Segment = tuple[str, bool]
 """A piece of a row's text and whether it is supervised (an assistant turn)."""
@@ -95,7 +99,12 @@ def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
 def reasoning_field(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The message field the chat template reads reasoning from, or None (inline <think> in content)."""
     template = tokenizer.chat_template
-    read = set(_TEMPLATE_FIELD.findall(template)) if isinstance(template, str) else set()
+    return _field_read_by(template) if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)  # asked once per conversation; the template is kilobytes of text
+def _field_read_by(template: str) -> str | None:
+    read = set(_TEMPLATE_FIELD.findall(template))
     return next((field for field in REASONING_FIELDS if field in read), None)
 
 
@@ -120,29 +129,25 @@ def validate_messages(messages: Any) -> None:
 
 def normalise_reasoning(messages: list[dict], field: str | None) -> tuple[list[dict], int]:
     """The messages with each assistant turn's reasoning where the template reads it (`field`, or
-    inline in content when None), and the number of assistant turns that carry reasoning."""
+    inline in content when None), and the number of assistant turns that carry reasoning. A message
+    with both a reasoning field and an inline block keeps its content as written."""
     out, carried = [], 0
     for m in messages:
         content = m.get("content")
         inline = _INLINE_REASONING.match(content) if m["role"] == "assistant" and content else None
-        if m["role"] != "assistant" or not (inline or any(m.get(f) for f in REASONING_FIELDS)):
+        fields = [m[f] for f in (field, *REASONING_FIELDS) if f and m.get(f)] if m["role"] == "assistant" else []
+        if not (inline or fields):
             out.append(m)
             continue
-        m = dict(m)
-        reasoning = next((m[f] for f in (field, *REASONING_FIELDS) if f and m.get(f)), None)
-        for f in REASONING_FIELDS:
-            m.pop(f, None)
-        if reasoning is None:  # inline only
-            if field is None:
-                out.append(m)
-                carried += bool(inline.group(1).strip())
-                continue
-            reasoning, content = inline.group(1).strip("\n"), content[inline.end():].lstrip("\n")
+        m = {key: value for key, value in m.items() if key not in REASONING_FIELDS}
+        reasoning = fields[0] if fields else inline.group(1).strip("\n")
         carried += bool(reasoning.strip())
-        if field is None:
+        if field is not None:
+            m[field] = reasoning
+            if not fields:
+                m["content"] = content[inline.end():].lstrip("\n")
+        elif not inline:
             m["content"] = f"<think>\n{reasoning}\n</think>\n\n{content or ''}"
-        else:
-            m[field], m["content"] = reasoning, content
         out.append(m)
     return out, carried
 
@@ -179,6 +184,8 @@ def _tagged_row(tokenizer, messages, tools, template_kwargs) -> Row:
             spans[-1][1] = max(spans[-1][1], end)
         else:
             spans.append([start, end])
+    if not spans:
+        raise DropSample(NOTHING_MARKED)
     return text, [(start, end) for start, end in spans], tuple(range(len(spans)))
 
 
@@ -226,7 +233,7 @@ def _segments(text: str, spans: list[tuple[int, int]], supervised: list[bool]) -
     if pos < len(text):
         segments.append((text[pos:], False))
     if not any(trained for _, trained in segments):
-        raise DropSample("the chat template marked no assistant text")
+        raise DropSample(NOTHING_MARKED)
     if len(segments) == 1:
         raise DropSample("the chat template marked every token as assistant")
     return segments
