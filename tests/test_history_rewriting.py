@@ -7,10 +7,11 @@ first supervised turn its tokens are that prompt tokenised in one piece, as a ch
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer
+from real_tokenizers import QWEN25_TEMPLATE, QWEN3_STYLE_TEMPLATE, real_tokenizer
 from sft.config import DataConfig
 from sft.data import prepare_sft_data
 from sft.masking import IGNORE_INDEX, DropSample, normalise_reasoning, reasoning_field, tokenize_conversation
@@ -160,10 +161,9 @@ def test_truncation_cuts_an_expanded_row(tok):
 
 def test_reasoning_field_is_the_one_the_template_reads(tok):
     assert reasoning_field(tok) == "reasoning_content"
-    tok = real_tokenizer("qwen2")
-    assert reasoning_field(tok) is None
-    tok.chat_template = "{%- if enable_thinking -%}{{ m.thinking }}{%- endif -%}{{ reasoning_effort }}"
-    assert reasoning_field(tok) == "thinking"
+    assert reasoning_field(SimpleNamespace(chat_template=QWEN25_TEMPLATE)) is None
+    gpt_oss_like = "{%- if enable_thinking -%}{{ m.thinking }}{%- endif -%}{{ reasoning_effort }}"
+    assert reasoning_field(SimpleNamespace(chat_template=gpt_oss_like)) == "thinking"
     # A template that reads no field gets the reasoning inline, as R1-distill templates expect.
     messages = [user("q"), assistant("4.", reasoning="Add."), assistant("<think>x</think>5")]
     assert normalise_reasoning(messages, None) == (
@@ -225,3 +225,28 @@ def test_last_assistant_does_not_expand(tok, tmp_path):
     train, _, reports = prepare_sft_data(cfg, tok, seed=0)
     assert len(train) == 2 and reports["train"].expanded == 0
     assert sorted(len(runs(r["labels"])) for r in train) == [1, 1]
+
+
+def test_rows_follow_the_rendering_not_the_model(tok, monkeypatch):
+    """Qwen3's published template keeps the think block of a turn after the last query only if it has
+    reasoning (or is the last message): a tool step without reasoning is rewritten once a later step
+    follows, and gets its own row; the steps that keep their form share the whole conversation's row."""
+    monkeypatch.setattr(tok, "chat_template", QWEN3_STYLE_TEMPLATE.replace(
+        "{%- if loop.index0 > ns.last_query -%}", "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"))
+    messages, generated, _ = CASES["agentic_tool_steps"]
+    rows = tokenize_conversation(tok, messages, TOOLS, max_seq_len=4096)
+    assert check_rows(tok, messages, generated, rows, TOOLS) == [[1], [0, 2]]
+
+
+def test_template_kwargs_are_part_of_the_cache_key(tok, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [user("2 + 2?"), assistant("4.")]}) + "\n")
+    trained = []
+    for thinking in (True, False):
+        cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"),
+                         chat_template_kwargs={"enable_thinking": thinking})
+        train, _, _ = prepare_sft_data(cfg, tok, seed=0)
+        (ids, labels), = zip(train["input_ids"], train["labels"])
+        trained.append([tok.decode(ids[start:end]) for start, end in runs(labels)])
+    # The same text either way; with thinking off the empty think block is prompt, not trained.
+    assert trained == [[think() + "4." + END], ["4." + END]]
