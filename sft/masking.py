@@ -44,7 +44,8 @@ Where a turn is in the rendering:
   author decides what is trained);
 * otherwise: the text between render(messages[:k], add_generation_prompt=True) and
   render(messages[:k+1]). A turn whose rendering does not begin with its own generation prompt has no
-  defined generated text; its conversation is dropped and counted, never trained with a wrong mask.
+  defined generated text; its conversation is dropped and counted, never trained with a wrong mask
+  (with `last_turn_only`, only the final turn must have one).
 """
 
 from __future__ import annotations
@@ -189,19 +190,20 @@ def _tagged_row(tokenizer, messages, tools, template_kwargs) -> Row:
     return text, [(start, end) for start, end in spans], tuple(range(len(spans)))
 
 
-def _generated_rows(tokenizer, messages, tools, template_kwargs) -> list[Row]:
+def _generated_rows(tokenizer, messages, tools, template_kwargs, last_turn_only: bool) -> list[Row]:
     """Rows that hold each assistant turn as generated: the fewest the rendering allows, in turn order."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     prompts, _ = _render(tokenizer, [messages[:i] for i in turns], tools, template_kwargs, add_generation_prompt=True)
     full = [messages] if turns[-1] != len(messages) - 1 else []
     throughs, _ = _render(tokenizer, [messages[: i + 1] for i in turns] + full, tools, template_kwargs)
     whole = throughs[-1]
-    if not all(through.startswith(prompt) for prompt, through in zip(prompts, throughs)):
+    generated = [k for k, (prompt, through) in enumerate(zip(prompts, throughs)) if through.startswith(prompt)]
+    if len(generated) < len(turns) and not (last_turn_only and generated[-1:] == [len(turns) - 1]):
         raise DropSample(GENERATION_PROMPT_MISMATCH)
     # Greedy from the last turn: a row is the whole conversation if it holds that turn as generated
     # (always, for prefix-preserving templates), else the rendering through that turn; every earlier
     # turn the row holds as generated, ending before the next member's prompt, shares it.
-    pending, rows = list(range(len(turns))), []
+    pending, rows = generated, []
     while pending:
         anchor = pending[-1]
         text = whole if whole.startswith(throughs[anchor]) else throughs[anchor]
@@ -249,7 +251,7 @@ def render_rows(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools:
     if has_generation_tags(tokenizer):
         rows = [_tagged_row(tokenizer, messages, tools, template_kwargs)]
     else:
-        rows = _generated_rows(tokenizer, messages, tools, template_kwargs)
+        rows = _generated_rows(tokenizer, messages, tools, template_kwargs, last_turn_only)
     if last_turn_only:
         # The row holding the last turn, with the others as context. Their segments stay cut as in
         # that row, so this option changes the labels, never the tokens.

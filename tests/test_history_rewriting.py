@@ -135,9 +135,17 @@ def test_enable_thinking_false_from_the_config(tok):
     # The empty think block is part of the generation prompt now, not generated.
     check_rows(tok, messages, ["4." + END, "12." + END], rows, enable_thinking=False)
     assert tok.decode(rows[0][0]).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n4.<|im_end|>\n")
+    # Reasoning the model cannot generate with thinking off: that turn has no generated text to train.
+    reasoned = [user("2 + 2?"), assistant("4.", reasoning="Add them."), user("Times 3?"), assistant("12.")]
     with pytest.raises(DropSample, match="not as a continuation of its generation prompt.*enable_thinking"):
-        tokenize_conversation(tok, CASES["multi_turn_reasoning"][0], None, max_seq_len=4096,
-                              template_kwargs={"enable_thinking": False})
+        tokenize_conversation(tok, reasoned, None, max_seq_len=4096, template_kwargs={"enable_thinking": False})
+    # Training the last turn only needs only the last turn to be generated; the first is history.
+    (ids, labels), = tokenize_conversation(tok, reasoned, None, max_seq_len=4096, last_turn_only=True,
+                                           template_kwargs={"enable_thinking": False})
+    (start, end), = runs(labels)
+    assert tok.decode(ids[start:end]) == "12." + END
+    assert ids[:start] == tok.apply_chat_template(reasoned[:-1], add_generation_prompt=True,
+                                                  enable_thinking=False)["input_ids"]
 
 
 def test_last_assistant_trains_the_final_turn_in_one_row(tok):
