@@ -169,6 +169,13 @@ def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
 
 
 ROW_COLUMNS = (SOURCE_ROW, "part", "parts", "turns", "assistant_turns", "reasoning_turns")
+_TOKENIZED_FEATURES = datasets.Features({
+    **{name: datasets.List(datasets.Value("int64")) for name in ("input_ids", "labels", "turns")},
+    **{name: datasets.Value("int64") for name in ("length", "cut", SOURCE_ROW, "part", "parts", "assistant_turns",
+                                                  "reasoning_turns")},
+    "drop_reason": datasets.Value("string")})
+"""Declared, not inferred: a batch whose rows are all dropped has only empty lists, which Arrow
+would type as lists of nulls that the next batch's token ids cannot be cast to."""
 """Where a training row comes from: its conversation's file row, its place among that conversation's
 rows (part of parts: several when the chat template rewrites history), the assistant turns it trains
 (counted from 0), and the conversation's numbers of assistant turns and of turns carrying reasoning."""
@@ -284,8 +291,8 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
                                {k: v for k, v in kwargs.items() if k != "tokenizer"}])
     tokenized = _rank0_first(lambda: rows.map(
         _tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
-        num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
-        desc=f"tokenising {split_name}"))
+        features=_TOKENIZED_FEATURES, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+        new_fingerprint=fingerprint, desc=f"tokenising {split_name}"))
 
     columns = tokenized.select_columns(  # read once
         ["drop_reason", "cut", "length", *ROW_COLUMNS]).to_dict()
