@@ -103,10 +103,10 @@ def check_rows(tok, messages, generated, rows, tools=None, **template_kwargs):
                 assert ids[:start] == tok.apply_chat_template(messages[:turns[k]], tools=tools, add_generation_prompt=True,
                                                               **template_kwargs)["input_ids"]
             row_turns.append(k)
-        # A row ends with its last turn's end-of-turn token (and the template's newline), or is the whole conversation.
-        last_end = runs(labels)[-1][1]
-        assert tok.decode(ids[last_end:]) in ("\n", tok.decode(tok.apply_chat_template(
-            messages, tools=tools, **template_kwargs)["input_ids"])[len(tok.decode(ids[:last_end])):])
+        # The row is the rendering through its last trained turn, or the whole conversation: nothing after.
+        through, whole = (tok.apply_chat_template(part, tools=tools, tokenize=False, **template_kwargs)
+                          for part in (messages[:turns[row_turns[-1]] + 1], messages))
+        assert tok.decode(ids) in (through, whole)
         trained.append(row_turns)
     assert sorted(k for row in trained for k in row) == list(range(len(turns)))
     return trained
