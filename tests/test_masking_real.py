@@ -116,7 +116,9 @@ def test_whitespace_merges_are_real():
 
 GOLDEN = json.loads((REPO / "tests" / "golden" / "prefix_preserving_rows.json").read_text())
 """Rows of the masking code before history-rewriting templates were trained (issue #23, commit 707b786): for
-each case above, and a sha256 over 200 conversations of the tokenisation benchmark's corpus."""
+each case above, and a sha256 over 200 conversations of the tokenisation benchmark's corpus. Written by
+running CASES and _bench_corpus(200) through that commit's tokenize_conversation (one (ids, labels) per
+conversation, max_seq_len=4096), for each template and train_on."""
 
 
 def _bench_corpus(n: int) -> list[dict]:
