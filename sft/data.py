@@ -313,10 +313,10 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     if report.truncated:
         log0(f"data: data.max_seq_len={cfg.max_seq_len} cut {report.truncated}/{kept} {split_name} samples")
     if report.expanded:
-        log0(f"data: {_expansion(report, sum(columns['length']))} (README: How masking works; "
+        log0(f"data: {split_name}: {_expansion(report, sum(columns['length']))} (README: How masking works; "
              "data.train_on=last_assistant trains only each last turn, without expansion)")
     if report.reasoning_turns:
-        log0(f"data: {_reasoning(report)}")
+        log0(f"data: {split_name}: {_reasoning(report)}")
     kept_rows = tokenized.filter(lambda r: r == "", input_columns="drop_reason")
     return kept_rows.remove_columns(["drop_reason", "cut"]), report
 
