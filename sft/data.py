@@ -9,6 +9,10 @@ Formats (detected from the columns):
 * `input_ids` / `labels`: already tokenised (labels unshifted, -100 = not trained), used as is
   (benchmarks, or data prepared elsewhere).
 
+A conversation becomes one training row, or several when its chat template rewrites history
+(sft/masking.py); the rows keep their conversation's file row, and shuffling, `max_samples` and the
+eval split act on conversations before tokenisation, so a conversation's rows stay on one side.
+
 Tokenisation runs through `datasets.map`, so it is cached on disk and a rerun starts at once.
 Rank 0 loads and tokenises first (so bad data is one error, reported once); the other ranks then
 read its cache.
@@ -40,7 +44,7 @@ from sft.distributed import log0, rank0_first
 from sft import masking
 from sft.collate import collate, collate_packed
 from sft.model import load_tokenizer
-from sft.masking import IGNORE_INDEX, DropSample, encode_segments, render_segments, truncate_tokenized
+from sft.masking import IGNORE_INDEX, DropSample, RowPlan, encode_segments, render_rows, truncate_tokenized
 
 # Drop counts are logged by us; datasets' per-map progress bars only clutter Slurm logs.
 datasets.disable_progress_bars()
@@ -186,40 +190,58 @@ def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
     return _drop_nulls(messages), _drop_nulls(tools) if tools else None
 
 
-def _tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
-                    last_turn_only: bool) -> dict[str, list]:
-    """A batch of rows -> input_ids, labels, length, tokens cut by truncation, drop_reason ('' = kept).
+ROW_COLUMNS = (SOURCE_ROW, "part", "parts", "turns", "assistant_turns", "reasoning_turns")
+_TOKENIZED_FEATURES = datasets.Features({
+    **{name: datasets.List(datasets.Value("int64")) for name in ("input_ids", "labels", "turns")},
+    **{name: datasets.Value("int64") for name in ("length", "cut", SOURCE_ROW, "part", "parts", "assistant_turns",
+                                                  "reasoning_turns")},
+    "drop_reason": datasets.Value("string")})
+"""Declared, not inferred: a batch whose rows are all dropped has only empty lists, which Arrow
+would type as lists of nulls that the next batch's token ids cannot be cast to."""
+"""Where a training row comes from: its conversation's file row, its place among that conversation's
+rows (part of parts: several when the chat template rewrites history), the assistant turns it trains
+(counted from 0), and the conversation's numbers of assistant turns and of turns carrying reasoning."""
 
-    Rows are rendered one by one, then all their segments are tokenised in one call."""
-    n = len(batch[SOURCE_ROW])
-    untruncated: list[tuple[list[int], list[int]] | None] = [None] * n
-    reasons = [""] * n
-    rendered, segments = [], []
-    for i in range(n):
-        row = {column: values[i] for column, values in batch.items()}
+
+def _tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
+                    last_turn_only: bool, template_kwargs: dict) -> dict[str, list]:
+    """A batch of conversations -> their training rows: input_ids, labels, length, tokens cut by
+    truncation, drop_reason ('' = kept) and ROW_COLUMNS. A dropped conversation is one row with its
+    reason and no tokens. Conversations are rendered one by one, then all segments of all their rows
+    are tokenised in one call."""
+    origins: list[tuple] = []  # ROW_COLUMNS of each output row
+    contents: list[RowPlan | tuple[list[int], list[int]] | str] = []  # to tokenise, tokenised, or a drop reason
+    for i, source_row in enumerate(batch[SOURCE_ROW]):
         try:
             if fmt == "tokenized":
-                untruncated[i] = (row["input_ids"], row["labels"])
-            else:
-                segments.append(render_segments(tokenizer, *to_messages(row, fmt)))
-                rendered.append(i)
+                contents.append((batch["input_ids"][i], batch["labels"][i]))
+                origins.append((source_row, 0, 1, [], 0, 0))
+                continue
+            messages, tools = to_messages({column: values[i] for column, values in batch.items()}, fmt)
+            plans, reasoning_turns = render_rows(tokenizer, messages, tools, last_turn_only, template_kwargs)
         except DropSample as e:
-            reasons[i] = str(e)
-    for i, pair in zip(rendered, encode_segments(tokenizer, segments, last_turn_only)):
-        untruncated[i] = pair
-    out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "cut": []}
-    for i, pair in enumerate(untruncated):
-        ids, labels = [], []
-        if pair is not None:
+            contents.append(str(e))
+            origins.append((source_row, 0, 1, [], 0, 0))
+            continue
+        assistant_turns = sum(m["role"] == "assistant" for m in messages)
+        for part, plan in enumerate(plans):
+            contents.append(plan)
+            origins.append((source_row, part, len(plans), list(plan.turns), assistant_turns, reasoning_turns))
+    encoded = iter(encode_segments(tokenizer, [c.segments for c in contents if isinstance(c, RowPlan)]))
+    out: dict[str, list] = {name: [] for name in ("input_ids", "labels", "length", "cut", "drop_reason", *ROW_COLUMNS)}
+    for origin, content in zip(origins, contents):
+        ids, labels, cut, reason = [], [], 0, content if isinstance(content, str) else ""
+        if not reason:
+            pair = next(encoded) if isinstance(content, RowPlan) else content
             try:
                 ids, labels = truncate_tokenized(*pair, max_seq_len)
+                cut = len(pair[0]) - len(ids)
             except DropSample as e:
-                reasons[i] = str(e)
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["length"].append(len(ids))
-        out["cut"].append(len(pair[0]) - len(ids) if ids else 0)
-    return {**out, "drop_reason": reasons, SOURCE_ROW: batch[SOURCE_ROW]}
+                reason = str(e)
+        for name, value in zip(("input_ids", "labels", "length", "cut", "drop_reason", *ROW_COLUMNS),
+                               (ids, labels, len(ids), cut, reason, *origin)):
+            out[name].append(value)
+    return out
 
 
 _TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsource(masking)
@@ -227,20 +249,50 @@ _TOKENISATION_SOURCE = inspect.getsource(sys.modules[__name__]) + inspect.getsou
 
 @dataclass
 class SplitReport:
-    """What tokenising one split kept and dropped."""
+    """What tokenising one split kept, dropped, cut and expanded."""
 
     rows: int
+    """training rows before drops (a dropped conversation counts as one)"""
     drops: dict[str, tuple[int, str]]
     """reason -> (rows dropped for it, where the first of them is in the file, e.g. 'line 7')"""
     truncated: int
     """kept samples that data.max_seq_len cut"""
+    conversations: int
+    expanded: int
+    """conversations given more than one row (their chat template rewrites history)"""
+    expansion_rows: int
+    """rows beyond one per conversation"""
+    expansion_tokens: int
+    """kept tokens the extra rows add: an expanded conversation's tokens minus those of its longest row"""
+    assistant_turns: int
+    reasoning_turns: int
+    """assistant turns that carry reasoning (any field or inline <think>)"""
+    reasoning_field: str | None
+    """where the chat template reads reasoning from (None: inline in content)"""
+
+
+def _split_report(columns: dict[str, list], drops: dict[str, tuple[int, str]], reasoning_in: str | None
+                  ) -> SplitReport:
+    """The report of one split from the tokenised columns (kept and dropped rows alike)."""
+    firsts = [i for i, part in enumerate(columns["part"]) if part == 0]  # one row per conversation
+    per_conversation: dict[int, list[int]] = {}
+    for source_row, parts, length in zip(columns[SOURCE_ROW], columns["parts"], columns["length"]):
+        if parts > 1:
+            per_conversation.setdefault(source_row, []).append(length)
+    return SplitReport(
+        rows=len(columns["part"]), drops=drops, truncated=sum(cut > 0 for cut in columns["cut"]),
+        conversations=len(firsts), expanded=len(per_conversation),
+        expansion_rows=sum(len(lengths) - 1 for lengths in per_conversation.values()),
+        expansion_tokens=sum(sum(lengths) - max(lengths) for lengths in per_conversation.values()),
+        assistant_turns=sum(columns["assistant_turns"][i] for i in firsts),
+        reasoning_turns=sum(columns["reasoning_turns"][i] for i in firsts), reasoning_field=reasoning_in)
 
 
 def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, path: str,
               source: str, split_name: str) -> tuple[datasets.Dataset, SplitReport]:
     fmt = detect_format(rows.column_names, source)
     kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
-                  last_turn_only=cfg.train_on == "last_assistant")
+                  last_turn_only=cfg.train_on == "last_assistant", template_kwargs=cfg.chat_template_kwargs)
 
     # datasets keys its cache on the function's *name* for module-level functions, not its code:
     # put the source of the tokenisation code in the key so an upgrade never reuses stale rows.
@@ -250,15 +302,16 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
                                {k: v for k, v in kwargs.items() if k != "tokenizer"}])
     try:
         tokenized = rows.map(_tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
-                             num_proc=cfg.num_proc if cfg.num_proc > 1 else None, new_fingerprint=fingerprint,
-                             desc=f"tokenising {split_name}")
+                             features=_TOKENIZED_FEATURES, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
+                             new_fingerprint=fingerprint, desc=f"tokenising {split_name}")
     except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until a row is read
         if Path(path).suffix == ".jsonl":
             _check_jsonl(Path(path), source)
         raise DataError(f"{source}: not UTF-8 text ({e.reason}: byte 0x{e.object[e.start]:02x}); convert the file "
                         "to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
 
-    columns = tokenized.select_columns(["drop_reason", SOURCE_ROW, "cut"]).to_dict()  # read once
+    columns = tokenized.select_columns(  # read once
+        ["drop_reason", "cut", "length", *ROW_COLUMNS]).to_dict()
     first: dict[str, int] = {}
     for reason, row in zip(columns["drop_reason"], columns[SOURCE_ROW]):
         if reason:
@@ -266,8 +319,8 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     counts = Counter(columns["drop_reason"])
     kept = counts.pop("", 0)
     where = _where(path, list(first.values()))
-    report = SplitReport(len(tokenized), {r: (n, where[first[r]]) for r, n in counts.most_common()},
-                         sum(cut > 0 for cut in columns["cut"]))
+    report = _split_report(columns, {r: (n, where[first[r]]) for r, n in counts.most_common()},
+                           masking.reasoning_field(tokenizer))
     for reason, (count, at) in report.drops.items():
         log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: {at} of {path})")
     if kept == 0:
@@ -275,8 +328,24 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
                         f"({'; '.join(f'{n}x {r}' for r, (n, _) in report.drops.items())}); nothing to train on")
     if report.truncated:
         log0(f"data: data.max_seq_len={cfg.max_seq_len} cut {report.truncated}/{kept} {split_name} samples")
+    if report.expanded:
+        log0(f"data: {split_name}: {_expansion(report, sum(columns['length']))} (README: How masking works; "
+             "data.train_on=last_assistant trains only each last turn, without expansion)")
+    if report.reasoning_turns:
+        log0(f"data: {split_name}: {_reasoning(report)}")
     kept_rows = tokenized.filter(lambda r: r == "", input_columns="drop_reason")
     return kept_rows.remove_columns(["drop_reason", "cut"]), report
+
+
+def _expansion(report: SplitReport, tokens: int) -> str:
+    return (f"{report.expanded}/{report.conversations} conversations expanded to one row per turn group, as the "
+            f"chat template rewrites history: +{report.expansion_rows} rows, +{report.expansion_tokens:,} tokens "
+            f"({report.expansion_tokens / max(tokens, 1):.1%} of the tokens)")
+
+
+def _reasoning(report: SplitReport) -> str:
+    return (f"{report.reasoning_turns}/{report.assistant_turns} assistant turns carry reasoning, passed to the chat "
+            f"template {'as ' + report.reasoning_field if report.reasoning_field else 'inline in content'}")
 
 
 def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
@@ -300,8 +369,8 @@ def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
 
 def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
                   seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Return (train, eval or None) with columns input_ids, labels, length (and source_row: the row's
-    position in its file)."""
+    """Return (train, eval or None) with columns input_ids, labels, length and ROW_COLUMNS (source_row:
+    the conversation's position in its file; part, parts, turns: which of its rows this is)."""
     train, evals, _ = rank0_first(lambda: prepare_sft_data(cfg, tokenizer, seed))
     return train, evals
 
@@ -445,8 +514,11 @@ def main(argv: list[str] | None = None) -> None:
     colour = sys.stdout.isatty()
     for index in range(min(args.show, len(train))):
         row = train[index]
+        expanded = (f", row {row['part'] + 1}/{row['parts']} of that conversation: assistant turn "
+                    f"{', '.join(str(turn + 1) for turn in row['turns'])} of {row['assistant_turns']}"
+                    if row["parts"] > 1 else "")
         print(f"--- sample {index} ({row['length']} tokens, {_where(cfg.data.path, [row[SOURCE_ROW]])[row[SOURCE_ROW]]} "
-              f"of {cfg.data.path}; trained: {'green' if colour else '[[...]]'})")
+              f"of {cfg.data.path}{expanded}; trained: {'green' if colour else '[[...]]'})")
         print(_marked(tokenizer, row["input_ids"], row["labels"], colour))
     if args.stats or not args.show:
         for split, data in (("train", train), ("eval", evals)):
@@ -463,6 +535,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"p99 {int(np.percentile(lengths, 99))}, max {lengths[-1]}; {lengths.sum():,} in all")
             print(f"  supervised: {supervised:,} tokens ({supervised / lengths.sum():.1%})")
             print(f"  cut by data.max_seq_len={cfg.data.max_seq_len}: {report.truncated} samples")
+            if report.expanded:
+                print(f"  expansion: {_expansion(report, int(lengths.sum()))}")
+            if report.reasoning_turns:
+                print(f"  reasoning: {_reasoning(report)}")
             if split == "train" and cfg.data.packing:
                 rows = pack_best_fit(data["length"], cfg.data.max_seq_len)
                 print(f"  packing: {len(rows)} rows of {cfg.data.max_seq_len}, "

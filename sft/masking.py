@@ -1,36 +1,58 @@
-"""Assistant-only labels: which tokens of a rendered conversation are trained, and how they are cut.
+"""Assistant-only labels: which tokens of a rendered conversation are trained, in which rows, and how they are cut.
 
-Every assistant turn is supervised, including its end-of-turn token (or the model never learns to
+Every assistant turn is supervised once, including its end-of-turn token (or the model never learns to
 stop); system/user/tool content, role headers and any system prompt the template injects get
 IGNORE_INDEX.
 
-Tokenisation follows inference. The model's chat template renders the conversation to text, the
-text is cut at the rendered turn boundaries into prompt segments (everything up to and including
-the generation prompt, e.g. "<|im_start|>assistant\\n") and assistant segments (the turn's text or
-tool-call text and its end-of-turn token), and each segment is tokenised on its own. Tokenising the
-whole string instead lets a byte-level BPE merge across a boundary: with Qwen2's vocabulary
-"assistant\\n" + "\\nThe" becomes `assistant`, `ĊĊ`, `The`, a token that is half prompt, half reply,
-which the model never sees at inference (the prompt ends with `Ċ`, then it generates). Whitespace
-the template writes after the end-of-turn token (ChatML's "\\n") belongs to the next prompt segment
-and is not supervised.
+The rule: train every assistant turn as it is generated at inference. For assistant turn k the model
+sees render(messages[:k], add_generation_prompt=True) and generates the rest of render(messages[:k+1])
+through its end-of-turn token.
 
-The trade-off: in a multi-turn row, earlier turns are tokenised as the model generated them (each
-on its own), whereas at inference a chat server re-tokenises the whole history as one string. The
-two differ only where a merge would cross a turn boundary, and then the training row holds the
-generated form.
+Rows. Most templates (Qwen2.5, Llama-3) are prefix-preserving as text: rendering more messages only
+appends, so every turn sits in the full rendering exactly as it was generated and the conversation is
+one row. Templates that rewrite history (Qwen3's drops the `<think>` block of turns before the last
+user query) are not: turn k as generated is not in the full rendering. Such a conversation is expanded
+into one row per group of turns that can share a row: the row anchored at turn k is the rendering
+through turn k (its inference prompt + what it generates), and an earlier turn is also supervised in it
+when that row holds it exactly as generated (Qwen3's tool steps after one user query). Each turn is
+supervised in exactly one row; the history the rows repeat is the cost (O(turns^2) tokens), reported
+by `python -m sft.data --stats`. `last_turn_only` keeps only the row holding the final turn and
+supervises only that turn: no expansion, the earlier turns are context (the row's tokens are the same
+as with every turn trained; only its labels differ).
 
-Assistant text is found in the rendering in one of two ways:
-* the template marks it with `{% generation %}`: the marked character spans;
-* otherwise (stock Qwen2.5 / Llama-3 templates): the conversation is rendered up to just before
-  each assistant turn (with the generation prompt) and through it, and the text in between is
-  that turn. This needs the template to be prefix-preserving *as text*, which is checked for every
-  turn; a conversation where it fails (Qwen3's template, which rewrites earlier `<think>` blocks)
-  is dropped and counted, never trained with a wrong mask.
+Tokenisation follows inference. A row's text is cut at the rendered turn boundaries into prompt
+segments (everything up to and including the generation prompt, e.g. "<|im_start|>assistant\\n") and
+supervised segments (the turn's text or tool-call text and its end-of-turn token), and each segment is
+tokenised on its own. Tokenising the whole string instead lets a byte-level BPE merge across a
+boundary: with Qwen2's vocabulary "assistant\\n" + "\\nThe" becomes `assistant`, `ĊĊ`, `The`, a token
+that is half prompt, half reply, which the model never sees at inference (the prompt ends with `Ċ`,
+then it generates). Whitespace the template writes after the end-of-turn token (ChatML's "\\n")
+belongs to the next prompt segment and is not supervised.
+
+The trade-off: in a row that holds several turns as generated, earlier turns are tokenised as the model
+generated them (each on its own), whereas at inference a chat server re-tokenises the whole history
+as one string. The two differ only where a merge would cross a turn boundary, and then the training
+row holds the generated form. History a row does not hold as generated is prompt, tokenised in one piece.
+
+Reasoning. An assistant message may carry its reasoning as `reasoning_content`, `reasoning`,
+`thinking`, or inline `<think>...</think>` at the start of `content`. It is passed in the field the
+chat template reads (found in the template's source); a template that reads none of them gets it
+inline in `content`, as R1-distill and QwQ templates expect.
+
+Where a turn is in the rendering:
+* the template marks it with `{% generation %}`: the marked character spans, one row (the template's
+  author decides what is trained);
+* otherwise: the text between render(messages[:k], add_generation_prompt=True) and
+  render(messages[:k+1]). A turn whose rendering does not begin with its own generation prompt has no
+  defined generated text; its conversation is dropped and counted, never trained with a wrong mask
+  (with `last_turn_only`, only the final turn must have one).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -39,14 +61,31 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-NOT_PREFIX_PRESERVING = (
-    "chat template is not prefix-preserving as text at an assistant turn (it rewrites earlier turns, "
-    "like Qwen3's <think> handling): to train such rows, wrap the assistant text and end-of-turn token "
-    "of the tokenizer's chat template in {% generation %} ... {% endgeneration %} (README: How masking works)")
+# A template reads a message field as `message.reasoning_content`, `message['thinking']`,
+# `'reasoning' in message`; `enable_thinking` and `reasoning_effort` are not fields (the \b and _ rule).
+_TEMPLATE_FIELD = re.compile(r"(?:\.|['\"])(reasoning_content|reasoning|thinking)\b(?!_)")
+# Qwen3's own template splits inline reasoning off `content` the same way.
+_INLINE_REASONING = re.compile(r"\A\s*<think>(.*?)</think>", re.S)
+GENERATION_PROMPT_MISMATCH = (
+    "the chat template renders an assistant turn not as a continuation of its generation prompt "
+    "(add_generation_prompt=True), so what the model generates there is undefined (e.g. reasoning in the data "
+    "with enable_thinking: false in data.chat_template_kwargs): fix the data or the template (README: How masking works)")
+
+NOTHING_MARKED = "the chat template marked no assistant text"
 
 Segment = tuple[str, bool]
-"""A piece of the rendered conversation and whether it is supervised (an assistant turn)."""
+"""A piece of a row's text and whether it is supervised (an assistant turn)."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One training row before tokenisation."""
+
+    segments: list[Segment]
+    turns: tuple[int, ...]
+    """The conversation's assistant turns (counted from 0) supervised in this row."""
 
 
 class DropSample(Exception):
@@ -56,6 +95,18 @@ class DropSample(Exception):
 def has_generation_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     template = tokenizer.chat_template
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
+
+
+def reasoning_field(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The message field the chat template reads reasoning from, or None (inline <think> in content)."""
+    template = tokenizer.chat_template
+    return _field_read_by(template) if isinstance(template, str) else None
+
+
+@functools.lru_cache(maxsize=8)  # asked once per conversation; the template is kilobytes of text
+def _field_read_by(template: str) -> str | None:
+    read = set(_TEMPLATE_FIELD.findall(template))
+    return next((field for field in REASONING_FIELDS if field in read), None)
 
 
 def validate_messages(messages: Any) -> None:
@@ -70,107 +121,172 @@ def validate_messages(messages: Any) -> None:
         content = m.get("content")
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise DropSample(f"{m['role']} message without content")
-        if content is not None and not isinstance(content, str):
-            raise DropSample(f"{m['role']} content is {type(content).__name__}, expected a string")
+        for key in ("content", *REASONING_FIELDS):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise DropSample(f"{m['role']} {key} is {type(m[key]).__name__}, expected a string")
     if not any(m["role"] == "assistant" for m in messages):
         raise DropSample("no assistant turn")
 
 
+def normalise_reasoning(messages: list[dict], field: str | None) -> tuple[list[dict], int]:
+    """The messages with each assistant turn's reasoning where the template reads it (`field`, or
+    inline in content when None), and the number of assistant turns that carry reasoning. A message
+    with both a reasoning field and an inline block keeps its content as written."""
+    out, carried = [], 0
+    for m in messages:
+        content = m.get("content")
+        inline = _INLINE_REASONING.match(content) if m["role"] == "assistant" and content else None
+        fields = [m[f] for f in (field, *REASONING_FIELDS) if f and m.get(f)] if m["role"] == "assistant" else []
+        if not (inline or fields):
+            out.append(m)
+            continue
+        m = {key: value for key, value in m.items() if key not in REASONING_FIELDS}
+        reasoning = fields[0] if fields else inline.group(1).strip("\n")
+        carried += bool(reasoning.strip())
+        if field is not None:
+            m[field] = reasoning
+            if not fields:
+                m["content"] = content[inline.end():].lstrip("\n")
+        elif not inline:
+            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{content or ''}"
+        out.append(m)
+    return out, carried
+
+
 def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]], tools: list | None,
-            add_generation_prompt: bool = False, generation_spans: bool = False) -> tuple[list[str], list]:
+            template_kwargs: dict, add_generation_prompt: bool = False,
+            generation_spans: bool = False) -> tuple[list[str], list]:
     """Texts (and {% generation %} character spans) of several conversations in one call.
 
     The same renderer as `apply_chat_template` (which cannot return the spans without tokenising):
-    the tokenizer's special tokens as template variables, messages without their None-valued keys.
+    the tokenizer's special tokens and data.chat_template_kwargs as template variables, messages
+    without their None-valued keys.
     """
     conversations = [[{k: v for k, v in m.items() if v is not None} for m in c] for c in conversations]
     try:
         return render_jinja_template(conversations, tools=tools, chat_template=tokenizer.get_chat_template(None, tools),
                                      add_generation_prompt=add_generation_prompt,
-                                     return_assistant_tokens_mask=generation_spans, **tokenizer.special_tokens_map)
+                                     return_assistant_tokens_mask=generation_spans,
+                                     **{**tokenizer.special_tokens_map, **template_kwargs})
     except jinja2.TemplateError as e:  # e.g. raise_exception('Conversation roles must alternate ...')
         raise DropSample(f"the chat template refused the conversation: {e}") from None
 
 
-def _assistant_spans(tokenizer, messages, tools) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant turn in it."""
-    if has_generation_tags(tokenizer):
-        (text,), (marked,) = _render(tokenizer, [messages], tools, generation_spans=True)
-        spans: list[list[int]] = []
-        for start, end in sorted(marked):  # one turn marked in several touching blocks is one segment
-            if spans and start <= spans[-1][1]:
-                spans[-1][1] = max(spans[-1][1], end)
-            else:
-                spans.append([start, end])
-        return text, spans
+Row = tuple[str, list[tuple[int, int]], tuple[int, ...]]
+"""A row's text, the character span of each supervised turn in it, and those turns' numbers."""
+
+
+def _tagged_row(tokenizer, messages, tools, template_kwargs) -> Row:
+    """The whole conversation in one row, supervised where the template marks {% generation %}."""
+    (text,), (marked,) = _render(tokenizer, [messages], tools, template_kwargs, generation_spans=True)
+    spans: list[list[int]] = []
+    for start, end in sorted(marked):  # one turn marked in several touching blocks is one segment
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    if not spans:
+        raise DropSample(NOTHING_MARKED)
+    return text, [(start, end) for start, end in spans], tuple(range(len(spans)))
+
+
+def _generated_rows(tokenizer, messages, tools, template_kwargs, last_turn_only: bool) -> list[Row]:
+    """Rows that hold each assistant turn as generated: the fewest the rendering allows, in turn order."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    prompts, _ = _render(tokenizer, [messages[:i] for i in turns], tools, add_generation_prompt=True)
+    prompts, _ = _render(tokenizer, [messages[:i] for i in turns], tools, template_kwargs, add_generation_prompt=True)
     full = [messages] if turns[-1] != len(messages) - 1 else []
-    throughs, _ = _render(tokenizer, [messages[: i + 1] for i in turns] + full, tools)
-    text = throughs[-1]
-    spans, end = [], 0
-    for prompt, through in zip(prompts, throughs):
-        if not (end <= len(prompt) and through.startswith(prompt) and text.startswith(through)):
-            raise DropSample(NOT_PREFIX_PRESERVING)
-        spans.append((len(prompt), len(through)))
-        end = len(through)
-    return text, spans
+    throughs, _ = _render(tokenizer, [messages[: i + 1] for i in turns] + full, tools, template_kwargs)
+    whole = throughs[-1]
+    generated = [k for k, (prompt, through) in enumerate(zip(prompts, throughs)) if through.startswith(prompt)]
+    if len(generated) < len(turns) and not (last_turn_only and generated[-1:] == [len(turns) - 1]):
+        raise DropSample(GENERATION_PROMPT_MISMATCH)
+    # Greedy from the last turn: a row is the whole conversation if it holds that turn as generated
+    # (always, for prefix-preserving templates), else the rendering through that turn; every earlier
+    # turn the row holds as generated, ending before the next member's prompt, shares it.
+    pending, rows = generated, []
+    while pending:
+        anchor = pending[-1]
+        text = whole if whole.startswith(throughs[anchor]) else throughs[anchor]
+        members, prompt_start = [], len(text)
+        for k in reversed(pending):
+            if len(throughs[k]) <= prompt_start and text.startswith(throughs[k]):
+                members.append(k)
+                prompt_start = len(prompts[k])
+        members.reverse()
+        rows.append((text, [(len(prompts[k]), len(throughs[k])) for k in members], tuple(members)))
+        pending = [k for k in pending if k not in members]
+    return rows[::-1]
 
 
-def render_segments(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None) -> list[Segment]:
-    """The conversation rendered by its chat template, cut into prompt and assistant segments.
-
-    An assistant segment ends at its last non-whitespace character: whitespace the template writes
-    after the end-of-turn token goes to the next prompt segment. Raises DropSample.
-    """
-    validate_messages(messages)
-    text, spans = _assistant_spans(tokenizer, messages, tools)
+def _segments(text: str, spans: list[tuple[int, int]], supervised: list[bool]) -> list[Segment]:
+    """The row's text cut at the turn spans; a span's segment is supervised where `supervised` says.
+    A turn's segment ends at its last non-whitespace character: whitespace after the end-of-turn
+    token goes to the next prompt segment."""
     segments: list[Segment] = []
     pos = 0
-    for start, end in spans:
+    for (start, end), trained in zip(spans, supervised):
         end = start + len(text[start:end].rstrip())
         if end == start:
             continue
         if start > pos:
             segments.append((text[pos:start], False))
-        segments.append((text[start:end], True))
+        segments.append((text[start:end], trained))
         pos = end
     if pos < len(text):
         segments.append((text[pos:], False))
-    if not any(supervised for _, supervised in segments):
-        raise DropSample("the chat template marked no assistant text")
+    if not any(trained for _, trained in segments):
+        raise DropSample(NOTHING_MARKED)
     if len(segments) == 1:
         raise DropSample("the chat template marked every token as assistant")
     return segments
 
 
-def encode_segments(tokenizer: PreTrainedTokenizerBase, conversations: list[list[Segment]],
-                    last_turn_only: bool = False) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) of each conversation: its segments tokenised one by one, in one batched call."""
-    texts = [text for segments in conversations for text, _ in segments]
+def render_rows(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None,
+                last_turn_only: bool = False, template_kwargs: dict | None = None) -> tuple[list[RowPlan], int]:
+    """The conversation's training rows (see the module docstring) and how many of its assistant turns
+    carry reasoning. Raises DropSample."""
+    validate_messages(messages)
+    messages, reasoning_turns = normalise_reasoning(messages, reasoning_field(tokenizer))
+    template_kwargs = template_kwargs or {}
+    if has_generation_tags(tokenizer):
+        rows = [_tagged_row(tokenizer, messages, tools, template_kwargs)]
+    else:
+        rows = _generated_rows(tokenizer, messages, tools, template_kwargs, last_turn_only)
+    if last_turn_only:
+        # The row holding the last turn, with the others as context. Their segments stay cut as in
+        # that row, so this option changes the labels, never the tokens.
+        text, spans, turns = rows[-1]
+        return [RowPlan(_segments(text, spans, [turn == turns[-1] for turn in turns]), turns[-1:])], reasoning_turns
+    return [RowPlan(_segments(text, spans, [True] * len(spans)), turns) for text, spans, turns in rows], reasoning_turns
+
+
+def encode_segments(tokenizer: PreTrainedTokenizerBase,
+                    rows: list[list[Segment]]) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each row: its segments tokenised one by one, in one batched call."""
+    texts = [text for segments in rows for text, _ in segments]
     if not texts:
         return []
     encoded = iter(tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"])
     out = []
-    for segments in conversations:
-        last = max(i for i, (_, supervised) in enumerate(segments) if supervised)
+    for segments in rows:
         ids, labels = [], []
-        for i, (_, supervised) in enumerate(segments):
+        for _, supervised in segments:
             piece = next(encoded)
             ids += piece
-            labels += piece if supervised and (i == last or not last_turn_only) else [IGNORE_INDEX] * len(piece)
+            labels += piece if supervised else [IGNORE_INDEX] * len(piece)
         out.append((ids, labels))
     return out
 
 
 def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None,
-                          max_seq_len: int, last_turn_only: bool = False) -> tuple[list[int], list[int]]:
-    """Return (input_ids, labels) with labels = input_ids on supervised tokens, IGNORE_INDEX elsewhere.
-
-    Labels follow the Hugging Face convention (not shifted: the loss shifts). Raises DropSample.
-    """
-    (ids, labels), = encode_segments(tokenizer, [render_segments(tokenizer, messages, tools)], last_turn_only)
-    return truncate_tokenized(ids, labels, max_seq_len)
+                          max_seq_len: int, last_turn_only: bool = False, template_kwargs: dict | None = None
+                          ) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each training row, labels = input_ids on supervised tokens, IGNORE_INDEX
+    elsewhere. Labels follow the Hugging Face convention (not shifted: the loss shifts). Raises
+    DropSample for the first row that cannot be trained."""
+    plans, _ = render_rows(tokenizer, messages, tools, last_turn_only, template_kwargs)
+    return [truncate_tokenized(ids, labels, max_seq_len)
+            for ids, labels in encode_segments(tokenizer, [plan.segments for plan in plans])]
 
 
 def truncate_tokenized(ids: list[int], labels: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:

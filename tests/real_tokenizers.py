@@ -12,7 +12,8 @@ for the Qwen2 vocabulary on all 47 of its test strings (checked when this file w
   (<|start_header_id|>, <|end_header_id|>, <|eot_id|>).
 
 The chat templates below are the models' own (Qwen2.5's verbatim; Llama-3.1's without the
-date/tool-prompt options we do not exercise), because templates are where turns meet.
+date/tool-prompt options we do not exercise), because templates are where turns meet, plus our own
+template with the history rule of Qwen3's (QWEN3_STYLE_TEMPLATE).
 """
 
 from __future__ import annotations
@@ -137,6 +138,59 @@ LLAMA31_TEMPLATE = """{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+
+# Our own template with the history rule of Qwen3's published one (for the Qwen2/Qwen3 vocabulary):
+# an assistant turn after the last user query (a user message that is not a wrapped tool response) is
+# rendered with "<think>\n{reasoning}\n</think>\n\n" before its content, an empty block if it has no
+# reasoning; earlier assistant turns render their content only. Reasoning is `reasoning_content`, else
+# split off inline "<think>...</think>" in content. enable_thinking=false closes an empty think block
+# in the generation prompt.
+QWEN3_STYLE_TEMPLATE = """{%- set ns = namespace(last_query=-1) -%}
+{%- for m in messages -%}
+    {%- if m.role == 'user' and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) -%}
+        {%- set ns.last_query = loop.index0 -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0].role == 'system' -%}{{- messages[0].content + '\n\n' -}}{%- endif -%}
+    {{- '# Tools\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools><|im_end|>\n' -}}
+{%- elif messages[0].role == 'system' -%}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+    {%- if m.role == 'user' or (m.role == 'system' and not loop.first) -%}
+        {{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}
+    {%- elif m.role == 'assistant' -%}
+        {%- set content = m.content or '' -%}
+        {%- set reasoning = '' -%}
+        {%- if m.reasoning_content is string -%}
+            {%- set reasoning = m.reasoning_content -%}
+        {%- elif '</think>' in content -%}
+            {%- set reasoning = content.split('</think>')[0].split('<think>')[-1] -%}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+        {%- endif -%}
+        {{- '<|im_start|>assistant\n' -}}
+        {%- if loop.index0 > ns.last_query -%}
+            {{- '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' -}}
+        {%- endif -%}
+        {{- content -}}
+        {%- for call in m.tool_calls or [] -%}
+            {{- '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif m.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+        {{- '\n<tool_response>\n' + m.content + '\n</tool_response>' -}}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}"""
 
 TEMPLATES = {"qwen2": QWEN25_TEMPLATE, "llama3": LLAMA31_TEMPLATE}
 END_OF_TURN = {"qwen2": "<|im_end|>", "llama3": "<|eot_id|>"}

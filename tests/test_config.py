@@ -44,6 +44,8 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     ("compile.enabled=3", "compile.enabled=3: expected true or false"),
     ("data.train_on=everything", "expected one of ['all_assistant', 'last_assistant']"),
     ("data.path=missing.jsonl", "data.path='missing.jsonl': file not found"),
+    ("data.chat_template_kwargs=true", "data.chat_template_kwargs=True: expected a mapping of names to values"),
+    ("data.chat_template_kwargs.tools=[]", "data.chat_template_kwargs={'tools': []}: tools are set by the trainer"),
 ])
 def test_bad_values_name_key_and_file(tmp_path, override, message):
     path = write(tmp_path, base(tmp_path))
@@ -59,8 +61,15 @@ def test_missing_required_keys_are_all_reported(tmp_path):
     assert "model.name_or_path" in str(err.value) and "data.path" in str(err.value)
 
 
+def test_chat_template_kwargs_from_yaml_and_overrides(tmp_path):
+    tree = base(tmp_path)
+    tree["data"]["chat_template_kwargs"] = {"enable_thinking": True, "reasoning_effort": "low"}
+    cfg = load_config(write(tmp_path, tree), ["data.chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
+
+
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(write(tmp_path, base(tmp_path)), ["optim.betas=[0.9, 0.99]"])
+    cfg = load_config(write(tmp_path, base(tmp_path)), ["optim.betas=[0.9, 0.99]", "data.chat_template_kwargs.x=1"])
     again = write(tmp_path, yaml.safe_load(to_yaml(cfg)))
     assert load_config(again) == cfg
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from helpers import DEMO_MODEL
 from sft.config import DataConfig
-from sft.data import DataError, StepSampler, load_sft_data
+from sft.data import DataError, StepSampler, _load_rows, _tokenize, load_sft_data
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}],
@@ -129,3 +129,15 @@ def test_sampler_partitions_each_global_batch():
             assert len(flat) == len(set(flat)) == 8
             assert sorted(flat) == sorted(StepSampler(n, 8, 1, 0, 1, seed=3).micro_batches(step)[0])
     assert StepSampler(n, 8, 1, 0, 1, 3).micro_batches(0) != StepSampler(n, 8, 1, 0, 1, 3).micro_batches(12)
+
+
+def test_a_first_batch_of_only_dropped_rows(tmp_path, tok):
+    """datasets.map tokenises 1,000 rows at a time: a first batch without a single token must not fix
+    the column types (lists of nulls) for the batches after it."""
+    path = tmp_path / "m.jsonl"
+    unanswered = json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n"
+    path.write_text(unanswered * 1000 + "".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
+    cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
+    rows = _load_rows(cfg.path, None, "train", cfg.cache_dir, "data.path")  # unshuffled: the drops come first
+    kept, report = _tokenize(rows, tok, cfg, cfg.path, "data.path", "train")
+    assert sorted(kept["source_row"]) == [1000, 1001] and report.drops["no assistant turn"][0] == 1000

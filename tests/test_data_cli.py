@@ -7,14 +7,16 @@ import sys
 from transformers import AutoTokenizer
 
 from helpers import DEMO_MODEL, REPO
+from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer
 from sft.data import main
+from sft.masking import tokenize_conversation
 
 CONFIG = str(REPO / "configs" / "demo.yaml")
 
 
 def run(capsys, tmp_path, *overrides):
     main(["--config", CONFIG, "--show", "1", "--stats", f"model.name_or_path={DEMO_MODEL}",
-          f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+          f"data.cache_dir={tmp_path / 'cache'}", *overrides])  # a later --show wins
     return capsys.readouterr().out
 
 
@@ -64,3 +66,28 @@ def test_module_entry_point_reports_bad_data_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: data.path='{path}': line 1 is not valid JSON: Expecting value: line 1 column 15 (char 14)")
+
+
+def test_expanded_rows_are_shown_as_such(capsys, tmp_path):
+    """A history-rewriting template: each row says which turn of which line it trains; --stats gives the cost."""
+    tok = real_tokenizer("qwen2")
+    tok.chat_template = QWEN3_STYLE_TEMPLATE
+    tok.save_pretrained(tmp_path / "tokenizer")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."},
+                {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "<think>Polite.</think>Sure."}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n" + json.dumps({"messages": messages}) + "\n")
+    out = run(capsys, tmp_path, f"data.path={path}", "data.eval_path=null", f"model.tokenizer={tmp_path / 'tokenizer'}",
+              "--show", "3")
+    lengths = [len(ids) for ids, _ in tokenize_conversation(tok, messages, None, max_seq_len=256)]
+    for part in range(3):
+        assert (f"--- sample {part} ({lengths[part]} tokens, line 2 of {path}, row {part + 1}/3 of that conversation: "
+                f"assistant turn {part + 1} of 3; trained: [[...]])") in out
+    assert "[[<think>\nGreet.\n</think>\n\nHello!<|im_end|>]]" in out
+    assert "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\n2 + 2?" in out  # history, untrained
+    assert "train: kept 3/3 rows" in out
+    assert (f"  expansion: 1/1 conversations expanded to one row per turn group, as the chat template rewrites history: "
+            f"+2 rows, +{lengths[0] + lengths[1]:,} tokens ({(lengths[0] + lengths[1]) / sum(lengths):.1%} of the tokens)"
+            ) in out
+    assert "  reasoning: 2/3 assistant turns carry reasoning, passed to the chat template as reasoning_content" in out

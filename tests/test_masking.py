@@ -25,8 +25,9 @@ LLAMA3_STYLE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
-# Not prefix-preserving: every header carries the total number of messages.
-NOT_PREFIX_PRESERVING = (
+# No assistant turn is a continuation of its generation prompt: every header carries the total
+# number of messages, so the user header before a turn changes once the turn is added.
+COUNTS_MESSAGES = (
     "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + ' of ' + (messages | length | string) + '\\n'"
     " + m['content'] + '<|im_end|>\\n' -}}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
@@ -94,7 +95,7 @@ def test_supervised_text_is_assistant_content_plus_end_of_turn(request, template
         "tool_use": (TOOL_USE, TOOLS, False),
         "last_turn_only": (SYSTEM + MULTI_TURN, None, True),
     }[case]
-    ids, labels = tokenize_conversation(tok, messages, tools, max_seq_len=4096, last_turn_only=last_only)
+    (ids, labels), = tokenize_conversation(tok, messages, tools, max_seq_len=4096, last_turn_only=last_only)
     expected = [(m["content"] or "") + (call_text if m.get("tool_calls") else "") + eot
                 for m in messages if m["role"] == "assistant"]
     assert supervised_spans(tok, labels) == (expected[-1:] if last_only else expected)
@@ -110,11 +111,11 @@ def test_supervised_text_is_assistant_content_plus_end_of_turn(request, template
 @pytest.mark.parametrize("template", ["chatml", "llama3"])
 def test_truncation_mid_answer_keeps_the_partial_answer(request, template):
     tok = request.getfixturevalue(template)
-    full_ids, full_labels = tokenize_conversation(tok, MULTI_TURN, None, max_seq_len=4096)
+    (full_ids, full_labels), = tokenize_conversation(tok, MULTI_TURN, None, max_seq_len=4096)
     first_answer_end = next(i for i in range(len(full_labels) - 1, 0, -1)
                             if full_labels[i] != IGNORE_INDEX and full_labels[i - 1] == IGNORE_INDEX)
     cut = first_answer_end + 3  # three tokens into the second answer
-    ids, labels = tokenize_conversation(tok, MULTI_TURN, None, max_seq_len=cut)
+    (ids, labels), = tokenize_conversation(tok, MULTI_TURN, None, max_seq_len=cut)
     assert ids == full_ids[:cut] and labels == full_labels[:cut]
     spans = supervised_spans(tok, labels)
     assert spans[0].endswith(("<|im_end|>", "<|eot_id|>")) and "7 - 4 = 3.".startswith(spans[1])
@@ -137,8 +138,8 @@ def test_bad_conversations_are_dropped_with_a_reason(chatml, messages, reason):
         tokenize_conversation(chatml, messages, None, max_seq_len=64)
 
 
-def test_template_that_is_not_prefix_preserving_is_dropped(chatml):
+def test_turn_that_does_not_continue_its_generation_prompt_is_dropped():
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    tok.chat_template = NOT_PREFIX_PRESERVING
-    with pytest.raises(DropSample, match="not prefix-preserving"):
+    tok.chat_template = COUNTS_MESSAGES
+    with pytest.raises(DropSample, match="not as a continuation of its generation prompt"):
         tokenize_conversation(tok, MULTI_TURN, None, max_seq_len=4096)

@@ -5,13 +5,16 @@ token (tokenised on its own, decoded back to that text), and the prompt before t
 token for token what `apply_chat_template(..., add_generation_prompt=True)` gives at inference.
 """
 
+import hashlib
+import importlib.util
 import json
+import random
 
 import pytest
 
-from helpers import DEMO_MODEL
+from helpers import DEMO_MODEL, REPO
 from real_tokenizers import END_OF_TURN, real_tokenizer
-from sft.masking import IGNORE_INDEX, DropSample, tokenize_conversation
+from sft.masking import IGNORE_INDEX, tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -83,7 +86,7 @@ def test_supervised_tokens_are_the_turns_own_tokens(template, case):
     name, tok = template
     messages = CASES[case]
     tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
-    ids, labels = tokenize_conversation(tok, messages, tools, max_seq_len=4096)
+    (ids, labels), = tokenize_conversation(tok, messages, tools, max_seq_len=4096)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     assert len(spans(labels)) == len(turns)
     for (start, end), i in zip(spans(labels), turns):
@@ -111,14 +114,34 @@ def test_whitespace_merges_are_real():
     assert all(token in tok.get_vocab() for token in ("ĊĊ", "ĠĠ", "():Ċ"))
 
 
-def test_history_rewriting_template_is_dropped_with_the_fix():
-    """A Qwen3-like template drops the reasoning of earlier turns: not prefix-preserving as text."""
-    tok = real_tokenizer("qwen2")
-    tok.chat_template = (
-        "{%- for m in messages -%}{%- set c = m['content'] -%}"
-        "{%- if m['role'] == 'assistant' and not loop.last -%}{%- set c = c.split('</think>')[-1] -%}{%- endif -%}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' -}}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-    messages = [user("a"), assistant("<think>x</think>b"), user("c"), assistant("<think>y</think>d")]
-    with pytest.raises(DropSample, match="not prefix-preserving as text.*{% generation %}"):
-        tokenize_conversation(tok, messages, None, max_seq_len=4096)
+GOLDEN = json.loads((REPO / "tests" / "golden" / "prefix_preserving_rows.json").read_text())
+"""Rows of the masking code before history-rewriting templates were trained (issue #23, commit 707b786): for
+each case above, and a sha256 over 200 conversations of the tokenisation benchmark's corpus. Written by
+running CASES and _bench_corpus(200) through that commit's tokenize_conversation (one (ids, labels) per
+conversation, max_seq_len=4096), for each template and train_on."""
+
+
+def _bench_corpus(n: int) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("bench_tokenize", REPO / "scripts" / "bench_tokenize.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = random.Random(0)
+    return [bench.conversation(rng) for _ in range(n)]
+
+
+@pytest.mark.parametrize("train_on", ["all_assistant", "last_assistant"])
+def test_prefix_preserving_templates_give_the_rows_of_before(template, train_on):
+    """Qwen2.5 / Llama-3 data: one row per conversation, token for token and label for label what it was."""
+    name, tok = template
+    last = train_on == "last_assistant"
+    for case, messages in CASES.items():
+        tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
+        rows = tokenize_conversation(tok, messages, tools, max_seq_len=4096, last_turn_only=last)
+        assert [list(rows[0])] == [GOLDEN[f"{name} {train_on} {case}"]] and len(rows) == 1, case
+    digest = hashlib.sha256()
+    for row in _bench_corpus(200):
+        tools = json.loads(row["tools"]) if "tools" in row else None
+        rows = tokenize_conversation(tok, row["messages"], tools, max_seq_len=4096, last_turn_only=last)
+        assert len(rows) == 1
+        digest.update(json.dumps(list(rows[0])).encode())
+    assert digest.hexdigest() == GOLDEN[f"{name} {train_on} bench_corpus_200"]
