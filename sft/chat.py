@@ -25,14 +25,14 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperatu
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="an export directory (or any Hugging Face chat model)")
     parser.add_argument("--prompt", help="answer this one prompt and exit")
     parser.add_argument("--system", help="an optional system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).train(False)
