@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sft.config import run_command
 from sft.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,6 +41,17 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = 
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_cli(main, argv: list[str], capsys) -> tuple[int, str, str]:
+    """A command-line entry point run in this process as `python -m sft.<tool> ARGV` runs it
+    (through run_command: bad input is one line and exit status 2): (status, stdout, stderr)."""
+    try:
+        run_command(lambda: main(argv))
+    except SystemExit as e:
+        status = e.code or 0
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
 def model_dir(tmp: Path, tied: bool = True, **overrides) -> Path:

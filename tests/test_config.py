@@ -1,14 +1,12 @@
 """Config: typed tree, YAML + dotted overrides, one clear error before anything is created."""
 
-import os
-import subprocess
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import REPO
+from helpers import REPO, run_cli
 from sft.config import README_MARKERS, ConfigError, load_config, reference_markdown, to_yaml
 
 
@@ -88,14 +86,15 @@ def test_reference_documents_every_key():
     assert "| |" not in ref.replace("| | ", "")  # every row has a description
 
 
-def test_train_py_fails_before_creating_anything(tmp_path):
+def test_train_py_fails_before_creating_anything(tmp_path, capsys):
+    import train
+
     tree = base(tmp_path)
     tree["train"] = {"output_dir": str(tmp_path / "runs")}
-    proc = subprocess.run([sys.executable, "train.py", "--config", str(write(tmp_path, tree)), "ac.ratio=2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "ac.ratio=2.0: must be in [0, 1]" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    status, _, err = run_cli(train.main, ["--config", str(write(tmp_path, tree)), "ac.ratio=2"], capsys)
+    assert status == 2
+    assert "ac.ratio=2.0: must be in [0, 1]" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "runs").exists()
 
 
@@ -128,31 +127,32 @@ def test_a_missing_model_directory_names_its_key(key, value):
 
 # Each `python -m sft.<tool>`: bad input is one line naming the problem, exit status 2, no traceback.
 CLI_ERRORS = {
-    "config": (["sft.config", "no/such.yaml"], "error: config file no/such.yaml not found"),
-    "run-dir": (["sft.config", "--run-dir", "configs/demo.yaml", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
-    "plan": (["sft.plan", "--config", "configs/demo.yaml", "--gpus", "2", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
-    "export": (["sft.export", "no/such/step-5", "out"],
+    "config": ("sft.config", ["no/such.yaml"], "error: config file no/such.yaml not found"),
+    "run-dir": ("sft.config", ["--run-dir", "configs/demo.yaml", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
+    "plan": ("sft.plan", ["--config", "configs/demo.yaml", "--gpus", "2", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
+    "export": ("sft.export", ["no/such/step-5", "out"],
                "error: no/such/step-5 is not a usable checkpoint (no such directory): give a committed checkpoints/step-N"),
-    "data": (["sft.data", "--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
+    "data": ("sft.data", ["--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
 }
 
 
 @pytest.mark.parametrize("tool", CLI_ERRORS)
-def test_command_line_tools_report_bad_input_in_one_line(tool):
-    argv, message = CLI_ERRORS[tool]
-    proc = subprocess.run([sys.executable, "-m", *argv], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 2, proc.stderr
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_command_line_tools_report_bad_input_in_one_line(tool, monkeypatch, capsys):
+    module, argv, message = CLI_ERRORS[tool]
+    monkeypatch.chdir(REPO)
+    status, _, err = run_cli(importlib.import_module(module).main, argv, capsys)
+    assert status == 2, err
+    assert message in err and "Traceback" not in err
 
 
-def test_the_planner_does_not_need_the_data_files_or_optional_packages(tmp_path):
+def test_the_planner_does_not_need_the_data_files_or_optional_packages(tmp_path, monkeypatch, capsys):
     """Planning happens on a login node, where the data, the checkpoint to resume or the optional
     packages the run asks for may not be."""
-    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/demo.yaml", "--gpus", "2",
-                           f"data.path={tmp_path}/absent.jsonl", f"checkpoint.resume={tmp_path}/absent/step-5",
-                           "logging.wandb_project=absent-package"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr
-    assert "this config (micro-batch" in proc.stdout
+    from sft.plan import main
+
+    monkeypatch.chdir(REPO)
+    status, out, err = run_cli(main, ["--config", "configs/demo.yaml", "--gpus", "2", f"data.path={tmp_path}/absent.jsonl",
+                                      f"checkpoint.resume={tmp_path}/absent/step-5", "logging.wandb_project=absent-package"],
+                               capsys)
+    assert status == 0, err
+    assert "this config (micro-batch" in out

@@ -1,12 +1,10 @@
 """`python -m sft.data`: samples with the trained tokens marked, and the data statistics."""
 
 import json
-import subprocess
-import sys
 
 from transformers import AutoTokenizer
 
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, run_cli
 from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer
 from sft.data import main
 from sft.masking import tokenize_conversation
@@ -57,15 +55,14 @@ def test_drops_truncation_and_token_stats(capsys, tmp_path):
     assert f"  supervised: {trained} tokens ({trained / (low + high):.1%})" in out
 
 
-def test_module_entry_point_reports_bad_data_in_one_line(tmp_path):
+def test_module_entry_point_reports_bad_data_in_one_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"messages": [}\n')
-    proc = subprocess.run([sys.executable, "-m", "sft.data", "--config", CONFIG, f"model.name_or_path={DEMO_MODEL}",
-                           f"data.path={path}", "data.eval_path=null", f"data.cache_dir={tmp_path / 'cache'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: data.path='{path}': line 1 is not valid JSON: Expecting value: line 1 column 15 (char 14)")
+    status, _, err = run_cli(main, ["--config", CONFIG, f"model.name_or_path={DEMO_MODEL}", f"data.path={path}",
+                                    "data.eval_path=null", f"data.cache_dir={tmp_path / 'cache'}"], capsys)
+    assert status == 2
+    assert err.strip().splitlines() == [
+        f"error: data.path='{path}': line 1 is not valid JSON: Expecting value: line 1 column 15 (char 14)"]
 
 
 def test_expanded_rows_are_shown_as_such(capsys, tmp_path):

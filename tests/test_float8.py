@@ -64,6 +64,7 @@ except ConfigError as e:
 """
 
 
+@pytest.mark.slow  # a Python of its own: this one has imported torchao (transformers does)
 def test_without_torchao_bf16_works_and_float8_names_the_extra(tmp_path):
     """torchao is optional: without it the default path (config, meta model, parallelize, the
     per-step float8 hook) runs, and asking for float8 is a config error that says what to install."""
@@ -134,6 +135,7 @@ def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
     assert rowwise.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
 
 
+@pytest.mark.slow
 def test_checkpoints_and_export_interchangeable_between_float8_and_bf16(tmp_path):
     """2 gloo ranks through the real path (meta -> float8 -> FSDP2 -> materialize -> load):
     train tensorwise float8 and save; resume that with float8 off, train, save; load the result
