@@ -232,7 +232,7 @@ from sft.model import build_meta_model
 from sft.plan import MICRO_BATCHES, RATIOS, Machine, Shapes, predict_gib
 cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/qwen2.5-14b', 'fsdp.cpu_offload=true'])
 s, m = Shapes.of(build_meta_model(cfg.model)), Machine.of($NGPU, $GPU_GIB, $HOST_GIB)
-mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r)))
+mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r, "blocks")))
 print(mb, -r)")
         echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
         RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \
