@@ -208,12 +208,12 @@ def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
-AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == MODES[0])
+AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
 # What a checkpointed block recomputes, as a fraction of its forward. ops: norms, rotary, SiLU and
 # residual sums, memory-bound ops worth ~5-10% of a compiled 7B block at 4k tokens; ops_half adds k,
-# o and up (~35% of the block's matmul FLOPs). Estimates until scripts/bench_gpu.sh stage acmodes
-# measures them.
+# o and up (~35% of the block's matmul FLOPs). Estimates until scripts/bench_gpu.sh stages acp7b,
+# acp7bf8, acv7b and ac32k measure them (docs/BENCHMARKS.md).
 RECOMPUTE = {"blocks": 1.0, "ops": 0.1, "ops_half": 0.4}
 
 
@@ -223,7 +223,7 @@ def recompute_cost(layers: int, ac_ratio: float, ac_mode: str) -> float:
 
 
 def ac_label(ac_ratio: float, ac_mode: str) -> str:
-    return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != MODES[0] else "")
+    return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str,
@@ -243,8 +243,8 @@ def clear_of_retries(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ra
 
     Why: on 2 x H100, plan.auto's "least recomputation that fits" picked ac 0.75 (P-7B and V-7B,
     bf16) and 0.5 (P-7B float8) at the same predicted peak as ac 1, and each ran 2-6% slower than
-    ac 1 (issue #24). The suspected cause, which metrics.jsonl's num_alloc_retries and
-    reserved_gib will confirm or refute: their end of forward (activations) and end of backward
+    ac 1 (issue #24). The suspected cause, which metrics.jsonl's alloc_retries and
+    peak_reserved_gib will confirm or refute: their end of forward (activations) and end of backward
     (gradients) both reach the limit with tensors of different sizes in turn, so the caching
     allocator must free and re-map cached blocks (a retry, which synchronises the GPU). ac 1 passes
     this test on all three workloads, the slower choices do not. If measurements say otherwise,
@@ -302,7 +302,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> str:
         cells = [predict_gib(s, cfg, m.gpus, micro, ratio, mode) for ratio, mode in AC_SETTINGS]
         lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if m.fits(g) else " ✗") for g in cells) + " |")
     current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    mode = f", ac.mode {cfg.ac.mode}" if cfg.ac.mode != MODES[0] else ""
+    mode = f", ac.mode {cfg.ac.mode}" if cfg.ac.mode != "blocks" else ""
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.checkpoint.enabled:

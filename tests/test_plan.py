@@ -79,6 +79,14 @@ OPS_BYTES_7B = {
 }
 
 
+def test_every_ac_mode_has_a_policy_and_a_cost():
+    from sft.parallel import OPS_KEEP_EVERY
+    from sft.plan import MODES, RECOMPUTE
+
+    assert MODES == ("blocks", "ops", "ops_half")
+    assert set(RECOMPUTE) == set(MODES) == {"blocks", *OPS_KEEP_EVERY}
+
+
 @pytest.mark.parametrize("mode, compiled", OPS_BYTES_7B, ids=lambda x: str(x))
 def test_op_level_bytes_per_token_from_the_block_shapes(qwen7b, mode, compiled):
     assert ops_bytes_per_token(qwen7b, compiled, mode) == OPS_BYTES_7B[mode, compiled]
