@@ -126,6 +126,8 @@ AC_EQUAL_TO_NONE = [
     # bounds that); whether the matmuls were kept or recomputed must not change a bit.
     ("compiled: ops as blocks", ["--ac-mode", "ops"], ["--compile", "--ac-ratio", "1"]),
     ("compiled: ops_half as blocks", ["--ac-mode", "ops_half"], ["--compile", "--ac-ratio", "1"]),
+    ("compiled float8: ops as blocks", ["--ac-mode", "ops"],
+     ["--compile", "--ac-ratio", "1", "--float8", "tensorwise", "--param-dtype", "bfloat16"]),
 ]
 
 
