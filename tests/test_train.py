@@ -52,9 +52,10 @@ def test_compiled_blocks_do_not_recompile_on_variable_lengths(tmp_path, demo_dat
 
 
 @pytest.mark.slow
-def test_packing_is_a_yaml_switch(tmp_path, demo_data):
+@pytest.mark.parametrize("ac", [[], ["ac.ratio=1", "ac.mode=ops"]], ids=["no AC", "op-level AC"])
+def test_packing_is_a_yaml_switch(tmp_path, demo_data, ac):
     proc = run_demo(demo_data, tmp_path, "packed", "data.packing=true", "train.micro_batch_size=2",
-                    "train.max_steps=12", "eval.every_steps=0", nproc=2)
+                    "train.max_steps=12", "eval.every_steps=0", *ac, nproc=2)
     assert "packed into" in proc.stdout
     steps, _ = read_metrics(tmp_path / "packed")
     assert len(steps) == 12 and steps[12]["loss"] < steps[1]["loss"]
