@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
-    parallelize(model, decoder_blocks(model), mesh, cfg.ac.ratio, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8)
+    parallelize(model, decoder_blocks(model), mesh, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)

@@ -1,9 +1,12 @@
 """Time causal attention forward + backward for one decoder layer of a model's shapes, per kernel.
 
     python scripts/bench_attention.py --batch 2 --seq 4096 --heads 28 --kv-heads 4 --head-dim 128
+    python scripts/bench_attention.py --batch 1 --seq 32768 65536 --heads 28 --kv-heads 4 --head-dim 128
 
-Shows which SDPA kernel PyTorch picks by default ("default") and what the others would cost
-(docs/BENCHMARKS.md). Each variant is checked against a float32 reference before it is timed.
+Shows which SDPA kernel PyTorch picks by default ("default") and what the others would cost, and
+compiled flex attention with a causal block mask (what packing runs; docs/BENCHMARKS.md). Each
+variant is checked against a float32 reference (the memory-efficient kernel: no s x s scores, so it
+works at 64k) before it is timed. Several --seq values are timed one after the other.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 def timed(fn, iters: int = 20) -> float:
@@ -32,15 +36,11 @@ def timed(fn, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=28)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=128)
-    args = parser.parse_args()
-    b, s, h, kv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def bench_shape(b: int, s: int, h: int, kv: int, d: int, iters: int) -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
     k = torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
@@ -48,37 +48,59 @@ def main() -> None:
     grad_out = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     # Causal: forward 2 matmuls of s*s/2*d per head, backward 2.5x forward.
     flops = 3.5 * 2 * 2 * b * h * s * s / 2 * d
-    with torch.no_grad():
-        reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
 
     def repeat(x: torch.Tensor) -> torch.Tensor:
         return x.repeat_interleave(h // kv, dim=1)
 
-    variants = {
-        "default, enable_gqa": (None, True),
-        "flash, enable_gqa": ([SDPBackend.FLASH_ATTENTION], True),
-        "flash, repeated kv": ([SDPBackend.FLASH_ATTENTION], False),
-        "cudnn, enable_gqa": ([SDPBackend.CUDNN_ATTENTION], True),
-        "cudnn, repeated kv": ([SDPBackend.CUDNN_ATTENTION], False),
-        "efficient, repeated kv": ([SDPBackend.EFFICIENT_ATTENTION], False),
-    }
-    print(f"causal attention fwd+bwd, q [{b}, {h}, {s}, {d}], kv heads {kv}, bf16, {torch.cuda.get_device_name()}")
-    for name, (backends, gqa) in variants.items():
+    with torch.no_grad(), sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        reference = F.scaled_dot_product_attention(q.float(), repeat(k.float()), repeat(v.float()), is_causal=True)
+    block_mask = create_block_mask(causal, None, None, s, s, device="cuda")
+    compiled_flex = torch.compile(flex_attention)
+
+    def sdpa(backends, gqa):
         def run() -> torch.Tensor:
             kk, vv = (k, v) if gqa else (repeat(k), repeat(v))
-            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=gqa)
+        return run
 
+    variants = {
+        "default, enable_gqa": sdpa(None, True),
+        "flash, enable_gqa": sdpa([SDPBackend.FLASH_ATTENTION], True),
+        "flash, repeated kv": sdpa([SDPBackend.FLASH_ATTENTION], False),
+        "cudnn, enable_gqa": sdpa([SDPBackend.CUDNN_ATTENTION], True),
+        "cudnn, repeated kv": sdpa([SDPBackend.CUDNN_ATTENTION], False),
+        "efficient, enable_gqa": sdpa([SDPBackend.EFFICIENT_ATTENTION], True),
+        "efficient, repeated kv": sdpa([SDPBackend.EFFICIENT_ATTENTION], False),
+        # What model.attn_implementation=flex_attention runs (packing): compiled, GQA in the kernel.
+        "flex (compiled), causal mask": lambda: compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True),
+    }
+    print(f"causal attention fwd+bwd, q [{b}, {h}, {s}, {d}], kv heads {kv}, bf16, {torch.cuda.get_device_name()}")
+    for name, run in variants.items():
         def step() -> None:
             run().backward(grad_out)
 
         try:
-            with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-                with torch.no_grad():
-                    error = ((run().float() - reference).norm() / reference.norm()).item()
-                ms = timed(step)
-            print(f"  {name:26s} {ms:7.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel. error {error:.1e}")
-        except RuntimeError as e:
-            print(f"  {name:26s} unavailable: {str(e).splitlines()[0][:100]}")
+            with torch.no_grad():
+                error = ((run().float() - reference).norm() / reference.norm()).item()
+            ms = timed(step, iters)
+            print(f"  {name:30s} {ms:8.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel. error {error:.1e}", flush=True)
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            print(f"  {name:30s} unavailable: {str(e).splitlines()[0][:100]}", flush=True)
+        q.grad = k.grad = v.grad = None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096])
+    parser.add_argument("--heads", type=int, default=28)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=20, help="timed runs per variant (median)")
+    args = parser.parse_args()
+    for seq in args.seq:
+        bench_shape(args.batch, seq, args.heads, args.kv_heads, args.head_dim, args.iters)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@
 #   ckpt      7B checkpoint save / resume / HF export times
 #   packing   V-7B: padded vs packed (flex attention)
 #   attention causal attention fwd+bwd per SDPA backend at P-7B shapes
+#   attnlong  the same at 32k and 64k tokens (batch 1), SDPA flash / cuDNN / efficient and compiled flex (~2 min)
+#   acp7b acp7bf8 acv7b ac32k   issue #24, meant for 2 GPUs (NGPU=2): whole-block vs op-level activation
+#             checkpointing (ac.mode) and plan.auto's choice, one table each with tok/s/GPU, peak and reserved
+#             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
+#             traced at steps 9-10), P-7B float8, V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
+#             float8 (8 steps). ONLY=regex runs the matching runs
 #   perf      P-7B (random init): defaults (with a profile of steps 9-10), ZeRO-2, bf16 reduce, NCCL CTAs,
 #             grad-acc 4 with and without deferred gradient sync; ONLY=regex runs the matching variants
 #   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
@@ -57,6 +63,26 @@ train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES 
 
 p7b_data() {  # the P-7B token file, enough samples for every stage's runs
   python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+}
+
+ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with the planner's view of it, one table
+  local stage=$1 t_stage=$SECONDS runs=()
+  local gpu_gib; gpu_gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | awk '{print $1 / 1024}')
+  while read -r name config overrides; do
+    [[ "$name" =~ ${ONLY:-.} ]] || continue
+    # shellcheck disable=SC2086
+    train "$name" "$config" train.max_steps="$STEPS" $overrides </dev/null
+    runs+=("runs/bench/$name/")
+    if [[ "$overrides" == *plan.auto=true* ]]; then
+      grep -h "plan.auto:" "$LOGS/$name.log" | head -1
+    else  # shellcheck disable=SC2086
+      python3 -m sft.plan --config "$config" --gpus "$NGPU" --gpu-mem "$gpu_gib" $overrides 2>/dev/null | grep "^this config"
+    fi
+    [[ "$overrides" == *float8=tensorwise* ]] && float8_applied "$name"
+    [ -f "runs/bench/$name/profile/summary.txt" ] && cp "runs/bench/$name/profile/summary.txt" "$LOGS/$name.profile.txt"
+  done
+  [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup 4 | tee "runs/bench/$stage.md"
+  echo "stage $stage took $((SECONDS - t_stage)) s"
 }
 
 float8_applied() {  # float8_applied NAME: warn if a float8 run trained without converting anything
@@ -124,6 +150,52 @@ for stage in "$@"; do
         model.attn_implementation=flex_attention ;;
     attention)
       python3 scripts/bench_attention.py --batch 2 --seq 4096 --heads 28 --kv-heads 4 --head-dim 128 ;;
+    attnlong)  # long context (issue #24): which attention kernel is fastest at 32k and 64k tokens per row
+      python3 scripts/bench_attention.py --batch 1 --seq 32768 65536 --heads 28 --kv-heads 4 --head-dim 128 --iters 10 |
+        tee runs/bench/attnlong.md ;;
+    acp7b)  # P-7B bf16: the old plan.auto choice (ac 0.75) and ac 1 traced; op-level checkpointing at ac 1 and 0.75
+      p7b_data
+      ac_runs acp7b <<'RUNS'
+acp7b-ac1              configs/bench/p7b.yaml ac.ratio=1 logging.profile_steps=[9,10]
+acp7b-ac0.75           configs/bench/p7b.yaml ac.ratio=0.75 logging.profile_steps=[9,10]
+acp7b-ac1-ops_half     configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half
+acp7b-ac1-ops          configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops
+acp7b-ac0.75-ops_half  configs/bench/p7b.yaml ac.ratio=0.75 ac.mode=ops_half
+acp7b-auto             configs/bench/p7b.yaml plan.auto=true
+RUNS
+      ;;
+    acp7bf8)  # P-7B float8 tensorwise: ac 1, the old plan.auto choice (ac 0.5), op-level at ac 1, plan.auto
+      p7b_data
+      ac_runs acp7bf8 <<'RUNS'
+acp7bf8-ac1            configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1
+acp7bf8-ac0.5          configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.5
+acp7bf8-ac1-ops_half   configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops_half
+acp7bf8-ac1-ops        configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops
+acp7bf8-auto           configs/bench/p7b.yaml precision.float8=tensorwise plan.auto=true
+RUNS
+      ;;
+    acv7b)  # V-7B packed (flex attention), bf16 and float8
+      python3 scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4000 --lognormal 600 0.8
+      PACKED="data.packing=true train.micro_batch_size=2 model.attn_implementation=flex_attention"
+      ac_runs acv7b <<RUNS
+acv7b-ac1              configs/bench/v7b.yaml $PACKED ac.ratio=1
+acv7b-ac0.75           configs/bench/v7b.yaml $PACKED ac.ratio=0.75
+acv7b-ac1-ops_half     configs/bench/v7b.yaml $PACKED ac.ratio=1 ac.mode=ops_half
+acv7b-auto             configs/bench/v7b.yaml $PACKED plan.auto=true
+acv7bf8-ac1            configs/bench/v7b.yaml $PACKED precision.float8=tensorwise ac.ratio=1
+acv7bf8-auto           configs/bench/v7b.yaml $PACKED precision.float8=tensorwise plan.auto=true
+RUNS
+      ;;
+    ac32k)  # 32k tokens, 1 row per GPU (8 steps of ~5 s): only ac 1 is predicted to fit 80 GB; plan.auto must agree
+      python3 scripts/synthetic_tokens.py --out data/bench/len32k.parquet --samples $((NGPU * 8)) --length 32768
+      LONG="data.path=data/bench/len32k.parquet data.max_seq_len=32768 train.micro_batch_size=1"
+      STEPS=8 ac_runs ac32k <<RUNS
+ac32k-ac1              configs/bench/p7b.yaml $LONG ac.ratio=1
+ac32k-auto             configs/bench/p7b.yaml $LONG plan.auto=true
+ac32kf8-ac1            configs/bench/p7b.yaml $LONG precision.float8=tensorwise ac.ratio=1
+ac32kf8-auto           configs/bench/p7b.yaml $LONG precision.float8=tensorwise plan.auto=true
+RUNS
+      ;;
     perf)  # P-7B, one change at a time against the defaults; the first run also traces steps 9-10
       p7b_data
       P7B=(configs/bench/p7b.yaml train.max_steps="$STEPS")
@@ -232,7 +304,7 @@ from sft.model import build_meta_model
 from sft.plan import MICRO_BATCHES, RATIOS, Machine, Shapes, predict_gib
 cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/qwen2.5-14b', 'fsdp.cpu_offload=true'])
 s, m = Shapes.of(build_meta_model(cfg.model)), Machine.of($NGPU, $GPU_GIB, $HOST_GIB)
-mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r)))
+mb, r = max((mb, -r) for mb in MICRO_BATCHES for r in RATIOS if m.fits(predict_gib(s, cfg, $NGPU, mb, r, "blocks")))
 print(mb, -r)")
         echo "offload-14b: micro-batch $MB, ac.ratio $RATIO (planner, $GPU_GIB GiB GPUs)"
         RUN_TIMEOUT=${RUN_TIMEOUT:-180} offload_run offload-14b model.name_or_path=configs/models/qwen2.5-14b \

@@ -4,6 +4,7 @@
 
 Steady state = median over the steps after the first `--warmup` (compilation, allocator warm-up),
 leaving out the steps traced by the profiler (logging.profile_steps in the run's config.yaml).
+On GPUs also the allocator's peak reserved memory and its retries summed over the steady steps.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def summarise(run_dir: Path, warmup: int) -> dict:
            "final loss": steps[-1]["loss"] if steps else float("nan")}
     if steady and "mfu" in steady[0]:
         out["MFU"] = statistics.median(r["mfu"] for r in steady)
+    if steady and "alloc_retries" in steady[0]:  # GPUs: the caching allocator (sft/metrics.py:AllocatorStats)
+        out["reserved GiB"] = max(r["peak_reserved_gib"] for r in steps)
+        out["retries (steady)"] = sum(r["alloc_retries"] for r in steady)
     return out
 
 

@@ -29,6 +29,8 @@ PEAK_BF16_FLOPS = (
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "supervised_tokens", "tokens_seen", "step_time", "eta_s",
              "tokens_per_s_per_gpu", "supervised_tokens_per_s_per_gpu", "peak_memory_gib")
 START_KEYS = ("startup_s", "host_peak_rss_gib_per_rank")
+# On GPUs every step also logs the caching allocator's side (AllocatorStats).
+ALLOCATOR_KEYS = ("peak_reserved_gib", "alloc_retries")
 
 
 def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
@@ -47,6 +49,25 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 
 def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+class AllocatorStats:
+    """The CUDA caching allocator's numbers for each step: the peak it reserved (allocated + cached
+    blocks; peak_memory_gib counts allocated only) and how many retries this step needed (an
+    allocation that did not fit made it free its cached blocks and try again, which synchronises
+    the GPU). A run near the memory limit can be slower at the same peak_memory_gib because of
+    them (issue #24); sft/plan.py:clear_of_retries is the planner's rule against it. Nothing on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.retries = device, 0
+
+    def step(self) -> dict:
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        retries, before = stats.get("num_alloc_retries", 0), self.retries
+        self.retries = retries
+        return {"peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30, "alloc_retries": retries - before}
 
 
 _IMPORTED_AT = time.time()
@@ -91,6 +112,7 @@ class StepMetrics:
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         self.first_step_extras = first_step_extras
         self.peak_flops = peak_bf16_flops(env.device)
+        self.allocator = AllocatorStats(env.device)
         if env.device.type == "cuda" and self.peak_flops is None:
             log0(f"metrics: no bf16 peak known for {torch.cuda.get_device_name(env.device)}; MFU is not reported")
         self.step_times: list[float] = []
@@ -124,7 +146,7 @@ class StepMetrics:
                  "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": self.tokens_seen,
                  "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
-                 "peak_memory_gib": peak_memory_gib(self.env.device)}
+                 "peak_memory_gib": peak_memory_gib(self.env.device), **self.allocator.step()}
         if self.peak_flops:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
@@ -220,4 +242,6 @@ def format_step(entry: dict, total_steps: int) -> str:
             f"lr {entry['lr']:.2e} | {entry['tokens_per_s_per_gpu']:,.0f} tok/s/gpu")
     if "mfu" in entry:
         line += f" | MFU {entry['mfu']:.1%} | peak {entry['peak_memory_gib']:.1f} GiB"
+    if entry.get("alloc_retries"):
+        line += f" | {entry['alloc_retries']} allocator retries"
     return line + f" | {entry['step_time']:.2f} s/step | ETA {datetime.timedelta(seconds=round(entry['eta_s']))}"

@@ -10,12 +10,16 @@ the compiled block from outside (TorchTitan's order).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from sft.config import DTYPES, ConfigError, FSDPConfig
+from sft.config import DTYPES, ACConfig, ConfigError, FSDPConfig
 from sft.distributed import log0
 from sft.float8 import apply_float8
 
@@ -43,17 +47,72 @@ def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     raise AssertionError("block not found in model")
 
 
-def apply_ac(model: nn.Module, blocks: list[nn.Module], ratio: float) -> list[nn.Module]:
-    """Wrap the chosen blocks in non-reentrant activation checkpointing; returns the new block list."""
-    chosen = set(ac_block_indices(len(blocks), ratio))
+@functools.cache  # built on first use, then asked for every op of every checkpointed forward
+def _expensive_ops() -> tuple[frozenset, frozenset]:
+    """(matmuls, other ops whose outputs op-level checkpointing keeps). Matmuls and attention are
+    the work that dominates a block (at 4k tokens the matmuls are ~90% of a 7B block's FLOPs; at 32k
+    attention is a third); everything else (norms, rotary, SiLU, residual sums, casts) is
+    memory-bound and cheap to redo. No collective runs inside a block (FSDP's all-gather and
+    reduce-scatter are hooks around it), so none is listed (TorchTitan keeps tensor parallelism's)."""
+    aten = torch.ops.aten
+    matmuls = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default,
+                         aten._scaled_mm.default))  # the last: float8 matmuls (precision.float8)
+    others = frozenset((
+        # float8's amax of a tensor: a scalar, so keeping it is free and spares a full read of the
+        # tensor to recompute the scale of its float8 cast.
+        aten.max.default,
+        # Attention: output and log-sum-exp (what its backward reads) per SDPA backend, and flex
+        # attention (packing); the CPU kernel so that CPU tests exercise this path.
+        aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch._higher_order_ops.flex_attention,
+    ))
+    return matmuls, others
+
+
+# ac.mode -> keep every n-th matmul output. ops keeps them all: almost nothing but the cheap ops is
+# recomputed, at ~70% of an unchecked block's activations (Qwen2.5-7B shapes). ops_half keeps the
+# 1st, 3rd, ... (TorchTitan's default): in a Llama/Qwen block (q, k, v, o, gate, up, down) that is
+# q, v, gate and down, and recomputes k, o and up, ~35% of the block's matmul FLOPs, at ~40% of the
+# activations; it is the op-level setting that fits where memory is tight (sft/plan.py sizes both).
+OPS_KEEP_EVERY = {"ops": 1, "ops_half": 2}
+
+
+def _op_level_context(every: int) -> tuple:
+    """Fresh selective-checkpoint contexts for one checkpointed forward (checkpoint asks for them on
+    each call): the policy counts the matmuls of the forward and of its recomputation apart, so both
+    make the same choices."""
+    matmuls, others = _expensive_ops()
+    seen = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in matmuls:
+            seen[ctx.is_recompute] += 1
+            keep = (seen[ctx.is_recompute] - 1) % every == 0
+        else:
+            keep = func in others
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig) -> list[nn.Module]:
+    """Wrap the blocks ac.ratio picks in non-reentrant activation checkpointing (ac.mode: the whole
+    block recomputed, or only its cheap ops); returns the new block list."""
+    chosen = set(ac_block_indices(len(blocks), ac.ratio))
+    # Op-level: the selective-checkpoint contexts tell autograd (or, compiled, the partitioner) which
+    # op outputs to keep.
+    options = {}
+    if ac.mode in OPS_KEEP_EVERY:
+        options["context_fn"] = functools.partial(_op_level_context, OPS_KEEP_EVERY[ac.mode])
     wrapped = []
     for i, block in enumerate(blocks):
         if i in chosen:
-            new = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+            new = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **options)
             _replace_module(model, block, new)
             block = new
         wrapped.append(block)
-    log0(f"applied activation checkpointing to {len(chosen)}/{len(blocks)} blocks: {sorted(chosen)}")
+    log0(f"applied activation checkpointing ({ac.mode}) to {len(chosen)}/{len(blocks)} blocks: {sorted(chosen)}")
     return wrapped
 
 
@@ -100,13 +159,13 @@ def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> Devi
                             mesh_dim_names=("replicate", "shard"))
 
 
-def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac_ratio: float,
+def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac: ACConfig,
                 compile_blocks: bool, fsdp: FSDPConfig, float8: str = "none") -> None:
     """float8 -> AC -> compile -> FSDP on a meta-device model (see the module docstring for why this
     order). `float8` is precision.float8."""
     if float8 != "none":
         apply_float8(blocks, float8, emulate=mesh.device_type == "cpu")
-    blocks = apply_ac(model, blocks, ac_ratio)
+    blocks = apply_ac(model, blocks, ac)
     if compile_blocks:
         apply_compile(blocks)
     apply_fsdp(model, blocks, mesh, fsdp)

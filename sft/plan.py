@@ -1,4 +1,5 @@
-"""Memory planner: predict per-GPU peak memory and pick the sAC ratio and micro-batch that fit.
+"""Memory planner: predict per-GPU peak memory and pick the activation checkpointing (ratio and
+mode) and micro-batch that fit.
 
     python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
 
@@ -15,7 +16,9 @@ tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) co
 graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
 the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
 With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
-float8, one byte each. docs/BENCHMARKS.md "Memory planner" compares the predictions with 23
+float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
+matmuls and attention produce, all or every second matmul with ops_half (ops_bytes_per_token;
+float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory planner" compares the predictions with 23
 measured peaks (0.5B-72B widths, with and without offload and float8). Other architectures are
 estimates: leave a margin.
 
@@ -34,13 +37,14 @@ import argparse
 import math
 import os
 import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
 from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
-from sft.config import Config, ConfigError, ModelConfig, load_config, run_command
+from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config, run_command
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import ModelError, build_meta_model, decoder_blocks
 from sft.parallel import ac_block_indices
@@ -69,6 +73,7 @@ class Shapes:
     hidden: int
     ffn: int
     kv_dim: int
+    heads: int
     vocab: int
     param_shapes: tuple[tuple[int, ...], ...]  # each parameter once (a tied one once)
 
@@ -79,14 +84,34 @@ class Shapes:
         block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
-                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim, text.vocab_size,
+                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim,
+                   text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()))
+
+
+def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
+    """Bytes per token a block checkpointed with ac.mode=ops or ops_half keeps until its backward,
+    for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
+    ops: its input (h), the q/k/v projections (h + 2 kv; rotary is recomputed from them),
+    attention's output (h) and log-sum-exp (float32 per head), the o projection (h: the residual sum
+    is recomputed from it) and gate/up (2 ffn; SiLU and the product are recomputed). ops_half keeps
+    q, v and gate of those (k, o and up are recomputed): input, q, v, attention, gate. All bf16.
+    Compiled, the partitioner keeps only what backward reads; eager, selective checkpointing also
+    caches the down projection's output (h), which backward never reads. tests/test_distributed.py
+    checks these counts against what a real block keeps."""
+    if ac_mode == "ops":
+        saved = 4 * s.hidden + 2 * s.ffn + 2 * s.kv_dim
+    else:
+        saved = 3 * s.hidden + s.ffn + s.kv_dim
+    return 2 * (saved + (0 if compiled else s.hidden)) + 4 * s.heads
 
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
-               float8: bool = False) -> float:
-    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch."""
+               float8: bool = False, ac_mode: str = "blocks", gradients_in_forward: bool = False) -> float:
+    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch.
+    `gradients_in_forward`: count the sharded gradients as alive at the end of forward even at
+    grad-acc 1 (the allocator-retry rule of `suggest`)."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
     gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
@@ -98,9 +123,11 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     if float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
-    activations = tokens * (checkpointed * 2 * s.hidden + (s.layers - checkpointed) * per_token_layer)
+    kept = 2 * s.hidden if ac_mode == "blocks" else ops_bytes_per_token(s, compiled, ac_mode)
+    activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
-        activations += tokens * per_token_layer  # the block being recomputed
+        # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
+        activations += tokens * (per_token_layer if ac_mode == "blocks" else max(0, per_token_layer - kept))
     rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     loss = 2 * 4 * rows * s.vocab + (4 + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
     # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
@@ -112,7 +139,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     if cpu_offload:
         state_in_forward = state_in_backward = 2 * 4 * s.block_params / shard_ranks
     else:
-        state_in_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks
+        state_in_forward = (12 if grad_accum == 1 and not gradients_in_forward else 16) * s.params / shard_ranks
         state_in_backward = 16 * s.params / shard_ranks
     end_of_forward = state_in_forward + gathered + activations + loss
     end_of_backward = state_in_backward + gathered + 4 * s.block_params + tokens * per_token_layer
@@ -179,32 +206,69 @@ def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
 
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
+# (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
+AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
+# What a checkpointed block recomputes, as a fraction of its forward. ops: norms, rotary, SiLU and
+# residual sums, memory-bound ops worth ~5-10% of a compiled 7B block at 4k tokens; ops_half adds k,
+# o and up (~35% of the block's matmul FLOPs). Estimates until scripts/bench_gpu.sh stages acp7b,
+# acp7bf8, acv7b and ac32k measure them (docs/BENCHMARKS.md).
+RECOMPUTE = {"blocks": 1.0, "ops": 0.1, "ops_half": 0.4}
 
 
-def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float) -> float:
-    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences) and
-    ratio, with the grad-acc that keeps the config's global batch."""
+def recompute_cost(layers: int, ac_ratio: float, ac_mode: str) -> float:
+    """Recomputed work per step in block forwards: what plan.auto minimises."""
+    return len(ac_block_indices(layers, ac_ratio)) * RECOMPUTE[ac_mode]
+
+
+def ac_label(ac_ratio: float, ac_mode: str) -> str:
+    return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
+
+
+def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str,
+                gradients_in_forward: bool = False) -> float:
+    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences), ratio
+    and mode, with the grad-acc that keeps the config's global batch."""
     tokens = micro_batch * cfg.data.max_seq_len
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      cfg.precision.float8 != "none") / GIB
+                      cfg.precision.float8 != "none", ac_mode, gradients_in_forward) / GIB
 
 
-def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, int, int] | None:
-    """(ac.ratio, micro_batch_size, grad_accum_steps) that fits and keeps the global batch: the least
-    recomputation first (it costs ~8% per 0.5 of ratio on 7B), then the largest micro-batch. None
+def clear_of_retries(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ratio: float, ac_mode: str) -> bool:
+    """Whether a setting would fit even if the memory of the sharded gradients (alive at the end of
+    backward) could not be reused for the next forward's activations, nor the other way round.
+
+    Why: on 2 x H100, plan.auto's "least recomputation that fits" picked ac 0.75 (P-7B and V-7B,
+    bf16) and 0.5 (P-7B float8) at the same predicted peak as ac 1, and each ran 2-6% slower than
+    ac 1 (issue #24). The suspected cause, which metrics.jsonl's alloc_retries and
+    peak_reserved_gib will confirm or refute: their end of forward (activations) and end of backward
+    (gradients) both reach the limit with tensors of different sizes in turn, so the caching
+    allocator must free and re-map cached blocks (a retry, which synchronises the GPU). ac 1 passes
+    this test on all three workloads, the slower choices do not. If measurements say otherwise,
+    this is the one rule to change (e.g. count only a fraction of the gradients).
+    """
+    return m.fits(predict_gib(s, cfg, m.gpus, micro_batch, ac_ratio, ac_mode, gradients_in_forward=True))
+
+
+def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
+    """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
+    settings clear of allocator retries first (clear_of_retries), then the least recomputation
+    (recompute_cost; whole blocks cost ~8% per 0.5 of ratio on 7B), then the largest micro-batch. None
     if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * m.gpus
-    fits = [(ratio, -micro) for micro in MICRO_BATCHES for ratio in RATIOS
-            if global_batch % (micro * m.gpus) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio))]
+    fits = [(not clear_of_retries(s, cfg, m, micro, ratio, mode), recompute_cost(s.layers, ratio, mode), -micro,
+             ratio, mode)
+            for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS
+            if global_batch % (micro * m.gpus) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None
-    ratio, micro = min(fits)
-    return ratio, -micro, global_batch // (-micro * m.gpus)
+    *_, micro, ratio, mode = min(fits)
+    return ratio, mode, -micro, global_batch // (-micro * m.gpus)
 
 
 def _nothing_fits(cfg: Config, m: Machine) -> str:
@@ -233,12 +297,14 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
              f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
-             "| micro-batch | " + " | ".join(f"ac {r:g}" for r in RATIOS) + " |", "|---" * (len(RATIOS) + 1) + "|"]
+             "| micro-batch | " + " | ".join(ac_label(*setting) for setting in AC_SETTINGS) + " |",
+             "|---" * (len(AC_SETTINGS) + 1) + "|"]
     for micro in MICRO_BATCHES:
-        cells = [predict_gib(s, cfg, m.gpus, micro, ratio) for ratio in RATIOS]
+        cells = [predict_gib(s, cfg, m.gpus, micro, ratio, mode) for ratio, mode in AC_SETTINGS]
         lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if m.fits(g) else " ✗") for g in cells) + " |")
-    current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio)
-    lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}): "
+    current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    mode = f", ac.mode {cfg.ac.mode}" if cfg.ac.mode != "blocks" else ""
+    lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.checkpoint.enabled:
         each, at_once = CHECKPOINT_BYTES_PER_PARAMETER * s.params / GIB, cfg.checkpoint.most_on_disk
@@ -253,8 +319,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
                      f"{m.host_mem_gib:.0f} GiB{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     choice = suggest(s, cfg, m)
     if choice:
-        ratio, micro, accum = choice
-        lines.append(f"suggested: ac.ratio={ratio:g} train.micro_batch_size={micro} "
+        ratio, mode, micro, accum = choice
+        lines.append(f"suggested: ac.ratio={ratio:g} ac.mode={mode} train.micro_batch_size={micro} "
                      f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
@@ -269,10 +335,12 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
     choice = suggest(shapes, cfg, m)
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
-    cfg.ac.ratio, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
-    return (f"plan.auto: ac.ratio={cfg.ac.ratio:g} train.micro_batch_size={cfg.train.micro_batch_size} "
-            f"train.grad_accum_steps={cfg.train.grad_accum_steps} "
-            f"(predicted {predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio):.1f} GiB per GPU)")
+    cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
+    predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    clear = clear_of_retries(shapes, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    return (f"plan.auto: ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} train.grad_accum_steps={cfg.train.grad_accum_steps} (predicted {predicted:.1f} GiB per GPU"
+            + ("" if clear else "; nothing fits clear of allocator retries") + ")")
 
 
 def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
@@ -280,7 +348,7 @@ def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: floa
     """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload,
     the node's host memory), else None."""
     s, m = Shapes.of(model), Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
-    predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio)
+    predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     problems = [] if m.fits(predicted) else [f"{predicted:.0f} GiB per GPU, more than {USABLE_FRACTION:.0%} of "
                                              f"{gpu_mem_gib:.0f} GiB GPUs"]
     if host_problem(s, cfg, m):

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from helpers import synthetic_global_batch
 from sft.collate import collate
-from sft.config import FSDPConfig, ModelConfig, OptimConfig
+from sft.config import ACConfig, FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.loss import attach_sft_loss, forward_backward
 from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_weights, materialize,
@@ -57,7 +57,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--param-dtype", default="float32")
     p.add_argument("--ac-ratio", type=float, default=0.0)
+    p.add_argument("--ac-mode", default="blocks")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--float8", default="none", help="precision.float8 (emulated float8 matmuls on CPU)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
     p.add_argument("--reduce-dtype", default="float32")
     p.add_argument("--zero2", action="store_true", help="fsdp.reshard_after_forward=false")
@@ -84,9 +86,9 @@ def main() -> None:
         named = dict(model.named_parameters())
     else:
         mesh = build_mesh(env.device.type, env.world_size, args.replicate)
-        parallelize(model, decoder_blocks(model), mesh, args.ac_ratio, args.compile,
+        parallelize(model, decoder_blocks(model), mesh, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate))
+                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8)
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)

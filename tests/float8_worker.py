@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from helpers import synthetic_global_batch
 from sft.checkpoint import Checkpointer
 from sft.collate import collate
-from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig
+from sft.config import ACConfig, Config, FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.float8 import precompute_float8_scales
 from sft.loss import attach_sft_loss, forward_backward, loss_inputs
@@ -38,7 +38,7 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def build(model_cfg: ModelConfig, recipe: str, env, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     model = build_meta_model(model_cfg)
     buffers = real_buffers(model)
-    parallelize(model, decoder_blocks(model), mesh, 0.0, False, FSDPConfig(param_dtype="bfloat16"), recipe)
+    parallelize(model, decoder_blocks(model), mesh, ACConfig(), False, FSDPConfig(param_dtype="bfloat16"), recipe)
     materialize(model, buffers, env.device)
     attach_sft_loss(model)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))

@@ -55,7 +55,7 @@ from sft.parallel import build_mesh, parallelize
 cfg = load_config(sys.argv[1], ["compile.enabled=false"])
 init_distributed()
 model = build_meta_model(cfg.model)
-parallelize(model, decoder_blocks(model), build_mesh("cpu", 1, 1), 0.0, False, cfg.fsdp, cfg.precision.float8)
+parallelize(model, decoder_blocks(model), build_mesh("cpu", 1, 1), cfg.ac, False, cfg.fsdp, cfg.precision.float8)
 precompute_float8_scales(model, cfg.precision.float8)  # train.py calls it after every step
 try:
     load_config(sys.argv[1], ["precision.float8=tensorwise"])

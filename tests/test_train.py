@@ -43,8 +43,9 @@ def test_the_demo_prints_what_the_readme_shows(tmp_path, full_demo_data, capsys)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_do_not_recompile_on_variable_lengths(tmp_path, demo_data):
-    proc = run_demo(demo_data, tmp_path, "compiled", "compile.enabled=true", "ac.ratio=0.5",
+@pytest.mark.parametrize("ac_mode", ["blocks", "ops_half"])  # op-level: its policy is traced into the graph
+def test_compiled_blocks_do_not_recompile_on_variable_lengths(tmp_path, demo_data, ac_mode):
+    proc = run_demo(demo_data, tmp_path, "compiled", "compile.enabled=true", "ac.ratio=0.5", f"ac.mode={ac_mode}",
                     "train.micro_batch_size=4", "train.max_steps=24", "eval.every_steps=0",
                     env={"TORCH_LOGS": "recompiles"})
     recompiles = Counter(line.split("Recompiling function ")[1] for line in proc.stderr.splitlines()
@@ -54,14 +55,16 @@ def test_compiled_blocks_do_not_recompile_on_variable_lengths(tmp_path, demo_dat
     # no_grad); none during the 24 training steps of varying length.
     assert 1 <= len(recompiles) <= 2 and max(recompiles.values()) <= 2, recompiles
     assert "size mismatch" in proc.stderr  # lengths did vary
+    assert f"applied activation checkpointing ({ac_mode}) to 2/4 blocks: [0, 2]" in proc.stdout
     steps, _ = read_metrics(tmp_path / "compiled")
     assert sorted(steps) == list(range(1, 25))
 
 
 @pytest.mark.slow
-def test_packing_is_a_yaml_switch(tmp_path, demo_data):
+@pytest.mark.parametrize("ac", [[], ["ac.ratio=1", "ac.mode=ops"]], ids=["no AC", "op-level AC"])
+def test_packing_is_a_yaml_switch(tmp_path, demo_data, ac):
     proc = run_demo(demo_data, tmp_path, "packed", "data.packing=true", "train.micro_batch_size=2",
-                    "train.max_steps=12", "eval.every_steps=0", nproc=2)
+                    "train.max_steps=12", "eval.every_steps=0", *ac, nproc=2)
     assert "packed into" in proc.stdout
     steps, _ = read_metrics(tmp_path / "packed")
     assert len(steps) == 12 and steps[12]["loss"] < steps[1]["loss"]

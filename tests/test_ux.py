@@ -4,9 +4,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import REPO, run_demo
-from sft.metrics import START_KEYS, STEP_KEYS, read_metrics
+from sft.metrics import ALLOCATOR_KEYS, START_KEYS, STEP_KEYS, AllocatorStats, format_step, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,25 @@ def test_readme_documents_exactly_the_metrics_keys():
     table = (REPO / "README.md").read_text().split("| `metrics.jsonl` |")[1].split("\n")[0]
     documented = set(table.split("`")[1].split(", "))  # the first `...` lists the per-step keys
     assert documented == set(STEP_KEYS)
-    assert all(f"`{key}`" in table for key in ("mfu", *START_KEYS))
+    assert all(f"`{key}`" in table for key in ("mfu", *ALLOCATOR_KEYS, *START_KEYS))
+
+
+def test_allocator_retries_are_counted_per_step(monkeypatch):
+    """On GPUs each step logs the allocator's peak reserved memory and the retries of that step (the
+    allocator's counter is cumulative); on CPU nothing."""
+    stats = iter([{"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30},
+                  {"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30},
+                  {"num_alloc_retries": 5, "reserved_bytes.all.peak": 72 * 2**30}])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: next(stats))
+    allocator = AllocatorStats(torch.device("cuda", 0))
+    steps = [allocator.step() for _ in range(3)]
+    assert [s["alloc_retries"] for s in steps] == [3, 0, 2]
+    assert [s["peak_reserved_gib"] for s in steps] == [70.0, 70.0, 72.0]
+    assert set(steps[0]) == set(ALLOCATOR_KEYS)
+    assert AllocatorStats(torch.device("cpu")).step() == {}
+    entry = {"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-5, "tokens_per_s_per_gpu": 1e4, "step_time": 1.0,
+             "eta_s": 0, **steps[2]}
+    assert format_step(entry, 3).endswith("| 2 allocator retries | 1.00 s/step | ETA 0:00:00")
 
 
 def test_plain_log_lines_without_a_terminal(run):
