@@ -1,4 +1,8 @@
 import os
+
+# Tests are offline (set before huggingface_hub is imported: it reads the variable once).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import subprocess
 import sys
 from pathlib import Path

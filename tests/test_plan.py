@@ -1,13 +1,12 @@
 """The memory planner against the peaks measured on the GPUs (docs/BENCHMARKS.md)."""
 
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_cli
 from sft.config import ModelConfig
 from sft.model import build_meta_model
+from sft.plan import main as plan_main
 from sft.plan import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, clear_of_retries, host_bytes_per_rank,
                       ops_bytes_per_token, peak_bytes, suggest)
 
@@ -146,11 +145,22 @@ def test_retry_rule_counts_the_gradients_in_forward(qwen7b):
         assert clear_of_retries(qwen7b, cfg, m, 2, ratio, "blocks") is (unshared <= 0.9 * 79.1)
 
 
-def test_cli_suggests_a_setting_that_fits():
-    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "64",
-                           "--gpu-mem", "80", "model.name_or_path=configs/models/qwen2.5-72b"],
-                          cwd=REPO, capture_output=True, text=True, check=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    out = proc.stdout
+def plan_cli(capsys, *argv: str) -> tuple[int, str]:
+    """`python -m sft.plan ARGV` from the repository root, in this process: (exit status, stdout)."""
+    status, out, err = run_cli(plan_main, list(argv), capsys)
+    assert not err, err
+    return status, out
+
+
+@pytest.fixture
+def at_repo(monkeypatch):
+    monkeypatch.chdir(REPO)
+
+
+def test_cli_suggests_a_setting_that_fits(at_repo, capsys):
+    status, out = plan_cli(capsys, "--config", "configs/qwen72b.yaml", "--gpus", "64", "--gpu-mem", "80",
+                           "model.name_or_path=configs/models/qwen2.5-72b")
+    assert status == 0
     assert "72.71B parameters, 80 blocks, 64 GPUs" in out
     assert "this config (micro-batch 2, ac.ratio 1):" in out and "— fits" in out
     assert "suggested: ac.ratio=" in out and "(global batch 128)" in out
@@ -230,14 +240,13 @@ def test_offload_host_budget_is_refused(tmp_path):
     assert check_fits(model, cfg, 16, 80, host_mem_gib=need + 1, gpus_per_node=8) is None
 
 
-def test_cli_plans_offload_on_a_machine_without_gpus():
+def test_cli_plans_offload_on_a_machine_without_gpus(at_repo, capsys):
     def plan(*overrides):
-        proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
-                               "--gpu-mem", "80", "--host-mem", "1024", "fsdp.cpu_offload=true",
-                               "model.name_or_path=configs/models/qwen2.5-72b", *overrides], cwd=REPO,
-                              capture_output=True, text=True, env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-        assert proc.returncode == 1, proc.stderr  # the host does not fit: a script can stop before queueing
-        return proc.stdout
+        status, out = plan_cli(capsys, "--config", "configs/qwen72b.yaml", "--gpus", "8", "--gpu-mem", "80",
+                               "--host-mem", "1024", "fsdp.cpu_offload=true",
+                               "model.name_or_path=configs/models/qwen2.5-72b", *overrides)
+        assert status == 1  # the host does not fit: a script can stop before queueing
+        return out
 
     out = plan("checkpoint.async_save=false")
     # GPU side: micro-batch 2 at ac 1 without the 12 bytes/parameter of sharded state (47.5 GiB on 64 GPUs with it).
@@ -269,15 +278,15 @@ def test_rowwise_float8_is_over_predicted_on_the_safe_side(qwen7b):
     assert 52.4 < predicted <= 52.4 * 1.12
 
 
-def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes():
-    """The issue's command, verbatim, on a machine that cannot reach the hub (a login node)."""
-    proc = subprocess.run([sys.executable, "-m", "sft.plan", "--config", "configs/qwen72b.yaml", "--gpus", "8",
-                           "--gpu-mem", "80", "fsdp.cpu_offload=true"], cwd=REPO, capture_output=True, text=True,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": ""})
-    assert proc.returncode == 1, proc.stderr  # offload needs more host memory than this machine has
-    assert proc.stdout.startswith(f"Qwen/Qwen2.5-72B (the hub is not reachable: shapes from "
+def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes(at_repo, capsys):
+    """The issue's command, verbatim, on a machine that cannot reach the hub (a login node; the
+    tests run with HF_HUB_OFFLINE=1)."""
+    status, out = plan_cli(capsys, "--config", "configs/qwen72b.yaml", "--gpus", "8", "--gpu-mem", "80",
+                           "fsdp.cpu_offload=true")
+    assert status == 1  # offload needs more host memory than this machine has
+    assert out.startswith(f"Qwen/Qwen2.5-72B (the hub is not reachable: shapes from "
                                   f"{REPO / 'configs/models/qwen2.5-72b'}): 72.71B parameters")
-    assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in proc.stdout
-    assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in proc.stdout
+    assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in out
+    assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in out
     # 72.71B x 12 bytes; keep_last 2 committed + the one being written
-    assert "checkpoints: 812.6 GiB each (fp32 weights and Adam moments), up to 3 at once" in proc.stdout
+    assert "checkpoints: 812.6 GiB each (fp32 weights and Adam moments), up to 3 at once" in out
