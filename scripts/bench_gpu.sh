@@ -162,6 +162,8 @@ acp7b-ac1-ops_half     configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half
 acp7b-ac1-ops          configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops
 acp7b-ac0.75-ops_half  configs/bench/p7b.yaml ac.ratio=0.75 ac.mode=ops_half
 acp7b-auto             configs/bench/p7b.yaml plan.auto=true
+acp7b-ac1-bf16reduce   configs/bench/p7b.yaml ac.ratio=1 fsdp.reduce_dtype=bfloat16
+acp7b-ac1-ops_half-bf16reduce configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half fsdp.reduce_dtype=bfloat16
 RUNS
       ;;
     acp7bf8)  # P-7B float8 tensorwise: ac 1, the old plan.auto choice (ac 0.5), op-level at ac 1, plan.auto
