@@ -11,8 +11,10 @@ NPROC ?= 1
 
 export HF_HUB_OFFLINE ?= 1
 export OMP_NUM_THREADS ?= 1
-# A persistent compile cache keeps torch.compile tests fast after the first run.
-export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+# A persistent compile cache keeps torch.compile tests fast after the first run. It lives outside the
+# clone (inductor keys what it stores on the torch version and the graph), so a fresh clone on this
+# machine reuses it; each test session compiles into a copy of it (tests/compile_cache.py).
+export TORCHINDUCTOR_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sft/inductor
 
 .PHONY: install demo test test-fast demo-data
 

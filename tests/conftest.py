@@ -12,9 +12,10 @@ import pytest
 from compile_cache import SessionCache
 from helpers import REPO
 
-# Compiled blocks are cached across sessions (make test exports TORCHINDUCTOR_CACHE_DIR); each
-# session compiles into a copy that replaces the cache only if the session was not interrupted.
-_compile_cache = SessionCache(Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or REPO / ".cache" / "inductor"))
+# Compiled blocks are cached across sessions (where the Makefile puts them, also for a plain pytest);
+# each session compiles into a copy that replaces the cache only if the session was not interrupted.
+_compile_cache = SessionCache(Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sft" / "inductor"))
 
 
 def pytest_sessionstart(session):

@@ -1,12 +1,17 @@
-"""Run under torchrun by the distributed tests: one optimizer step on a fixed global batch.
+"""Run under torchrun by the distributed tests: one optimizer step on a fixed global batch, for
+each of several runs in one launch (starting Python, torch and gloo costs more than a run).
 
-Writes {"loss", "grads", ...} from rank 0 to --out. With --reference it instead runs the plain
-Hugging Face model (no FSDP, one process) on the whole global batch with HF's own loss.
+    torchrun --nproc_per_node N tests/dist_worker.py --runs RUNS.json --out DIR
+
+RUNS.json maps a run's name to its flags (parse_run below); rank 0 writes {"loss", "grads", ...} of
+each to DIR/<name>.pt. With --reference a run instead uses the plain Hugging Face model (no FSDP,
+one process) on the whole global batch with HF's own loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -49,10 +54,9 @@ def compare_with_checkpoint(model: torch.nn.Module, directory: str) -> list[str]
     return [n for n, p in model.named_parameters() if not torch.equal(full(p), files[clean_name(n)].float())]
 
 
-def main() -> None:
+def parse_run(flags: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--param-dtype", default="float32")
@@ -66,9 +70,25 @@ def main() -> None:
     p.add_argument("--deferred-sync", action="store_true", help="fsdp.sync_grads_each_microbatch=false")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
-    args = p.parse_args()
+    return p.parse_args(flags)
 
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True)
+    p.add_argument("--out", required=True)
+    launch = p.parse_args()
     env = init_distributed()
+    for name, flags in json.loads(Path(launch.runs).read_text()).items():
+        torch._dynamo.reset()  # each compiled run compiles its own graphs, as in a process of its own
+        result = run(parse_run(flags), env)
+        if env.rank == 0:
+            torch.save(result, Path(launch.out) / f"{name}.pt")
+    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, env) -> dict:
     torch.manual_seed(0)
     samples = synthetic_global_batch(args.global_batch)
     model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random")
@@ -123,12 +143,8 @@ def main() -> None:
         head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
         result["tied_after_step"] = head is embed
 
-    grads = {clean_name(n): full(p.grad) for n, p in named.items()}
-    if env.rank == 0:
-        result["grads"] = grads
-        torch.save(result, args.out)
-    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
-    dist.destroy_process_group()
+    result["grads"] = {clean_name(n): full(p.grad) for n, p in named.items()}
+    return result
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 llama.cpp keeps vocabulary-only GGUF files of real models for its own tokenizer tests, and the
 llama-cpp-python source distribution on PyPI ships them (vendor/llama.cpp/models/). We download
 that sdist once (pinned, 76 MB), convert the GGUF vocabularies with transformers (`gguf_file=`, needs the
-`gguf` package of the test extra) and keep the result under .cache/tokenizers/, so later runs load
+`gguf` package of the test extra) and keep the result under ~/.cache/sft-tests/ (CACHE), so later runs load
 a tokenizer.json in about a second. The conversion matches llama.cpp's own expected token ids
 for the Qwen2 vocabulary on all 47 of its test strings (checked when this file was written).
 
@@ -29,8 +29,10 @@ from pathlib import Path
 from tokenizers import normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tokenizers"
 SDIST = "llama-cpp-python==0.3.36"
+# Outside the clone, like pip's cache: a fresh clone on a machine that ran the tests before does not
+# download and convert the sdist again (about a minute).
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sft-tests" / SDIST.replace("==", "-")
 GGUF = {"qwen2": "ggml-vocab-qwen2.gguf", "llama3": "ggml-vocab-llama-bpe.gguf"}
 
 QWEN25_TEMPLATE = """{%- if tools %}

@@ -106,7 +106,7 @@ def test_a_corrupt_shard_of_the_right_size_falls_back_to_the_previous_checkpoint
     proc = run_demo(demo_data, continuous, "corrupt", "eval.every_steps=0", "train.max_steps=6",
                     "train.micro_batch_size=4", nproc=2)
     assert (f"checkpoint: skipping {shard.parent} ({shard.name} differs from its digest (damaged after it was "
-            "written))") in proc.stdout
+            "written))") in proc.stdout, proc.stdout.splitlines()[:12]
     assert f"resumed from {run / 'checkpoints' / 'step-4'} (step 4" in proc.stdout
     assert train_steps(run) == {5: reference[5], 6: reference[6]}
     assert (run / "damaged" / "checkpoints" / "step-6" / shard.name).read_bytes() == garbage
@@ -207,11 +207,11 @@ def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how)
 
 
 def test_rank0_tokenising_longer_than_the_collective_timeout_still_starts(tmp_path, demo_data):
-    """dist.timeout_minutes=0.25 (15 s) while rank 0 tokenises for 25 s per split: the other rank
-    waits outside the collective timeout, and the run trains."""
-    run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.25", "train.max_steps=2", "eval.every_steps=0",
-             "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2,
-             env=with_test_hooks(SFT_TEST_SLOW_TOKENIZE_S="25"))
+    """dist.timeout_minutes=0.15 (9 s) while rank 0 tokenises for 14 s: the other rank waits outside
+    the collective timeout, and the run trains."""
+    run_demo(demo_data, tmp_path, "slow", "dist.timeout_minutes=0.15", "train.max_steps=2", "eval.every_steps=0",
+             "data.eval_path=null", "checkpoint.enabled=false", "checkpoint.export_hf=false", nproc=2,
+             env=with_test_hooks(SFT_TEST_SLOW_TOKENIZE_S="14"))
     assert sorted(train_steps(tmp_path / "slow")) == [1, 2]
 
 

@@ -1,5 +1,6 @@
 """FSDP2 on 2 gloo ranks against a single-process Hugging Face reference (fp32, tight tolerance)."""
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -21,10 +22,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"tied": model_dir(tmp, tied=True), "untied": model_dir(tmp, tied=False)}
 
 
-def worker(tmp: Path, model: Path, nproc: int, name: str, *flags: str) -> dict:
-    out = tmp / f"{name}.pt"
-    run_torchrun(["tests/dist_worker.py", "--model", str(model), "--out", str(out), *flags], nproc)
-    return torch.load(out)
+def launch(out: Path, nproc: int, runs: dict[str, list[str]]) -> None:
+    """One torchrun launch of tests/dist_worker.py for all `runs` (name -> flags); results in out/<name>.pt."""
+    (out / f"runs-{nproc}.json").write_text(json.dumps(runs))
+    run_torchrun(["tests/dist_worker.py", "--runs", str(out / f"runs-{nproc}.json"), "--out", str(out)], nproc)
 
 
 def assert_grads_close(a: dict, b: dict, rtol: float, atol: float) -> None:
@@ -49,23 +50,10 @@ EQUIVALENT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, models):
-    """The single-process Hugging Face reference for each model, computed once."""
-    cache: dict[str, dict] = {}
-
-    def get(tie: str) -> dict:
-        if tie not in cache:
-            cache[tie] = worker(tmp_path_factory.mktemp("ref"), models[tie], 1, "ref", "--reference")
-        return cache[tie]
-    return get
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, tie, nproc, flags, rtol, atol", EQUIVALENT, ids=[row[0] for row in EQUIVALENT])
-def test_fsdp_equals_single_process_reference(tmp_path, models, reference, name, tie, nproc, flags, rtol, atol):
-    ref = reference(tie)
-    run = worker(tmp_path, models[tie], nproc, "run", *flags)
+def test_fsdp_equals_single_process_reference(runs, name, tie, nproc, flags, rtol, atol):
+    ref, run = runs(f"reference {tie}"), runs(name)
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the forward is fp32 in every row
     assert_grads_close(run["grads"], ref["grads"], rtol=rtol, atol=atol)
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
@@ -96,10 +84,8 @@ def test_logged_loss_is_layout_invariant(tmp_path, demo_data):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_keeps_fp32_master_state(tmp_path, models, reference):
-    ref = reference("untied")
-    fp32 = worker(tmp_path, models["untied"], 2, "fp32")
-    bf16 = worker(tmp_path, models["untied"], 2, "bf16", "--param-dtype", "bfloat16")
+def test_bf16_mixed_precision_keeps_fp32_master_state(runs):
+    ref, fp32, bf16 = runs("reference untied"), runs("baseline"), runs("bf16 compute")
     assert fp32["forward_weight_dtype"] == "torch.float32"
     assert bf16["forward_weight_dtype"] == "torch.bfloat16"  # blocks compute with bf16 weights...
     assert bf16["shard_dtypes"] == ["torch.float32"]  # ...while master weights
@@ -131,11 +117,36 @@ AC_EQUAL_TO_NONE = [
 ]
 
 
+def baseline(flags: list[str]) -> str:
+    """The run a row of AC_EQUAL_TO_NONE is compared with: its flags, without the row's AC flags."""
+    return "baseline" + "".join(f" {flag}" for flag in flags)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, models):
+    """Every run of this module's tables, in one launch per world size (a table of assertions over
+    their outputs): the single-process references, the layouts of EQUIVALENT, each row of
+    AC_EQUAL_TO_NONE and its baseline, bf16 compute, and compiled blocks. Fresh
+    state per run (seed, compile caches); every run uses the same global batch."""
+    out = tmp_path_factory.mktemp("runs")
+    model = {tie: ["--model", str(path)] for tie, path in models.items()}
+    one = {f"reference {tie}": [*model[tie], "--reference"] for tie in models}
+    two = {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
+           "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"]}
+    for name, tie, nproc, flags, *_ in EQUIVALENT:
+        (one if nproc == 1 else two)[name] = [*model[tie], *flags]
+    for name, ac_flags, flags in AC_EQUAL_TO_NONE:
+        two[baseline(flags)] = [*model["untied"], *flags]
+        two[name] = [*model["untied"], *flags, *ac_flags]
+    launch(out, 1, one)
+    launch(out, 2, two)
+    return lambda name: torch.load(out / f"{name}.pt")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ac_flags, flags", AC_EQUAL_TO_NONE, ids=[row[0] for row in AC_EQUAL_TO_NONE])
-def test_activation_checkpointing_gradients_are_bitwise_equal(tmp_path, models, name, ac_flags, flags):
-    plain = worker(tmp_path, models["untied"], 2, "none", *flags)
-    ac = worker(tmp_path, models["untied"], 2, "ac", *flags, *ac_flags)
+def test_activation_checkpointing_gradients_are_bitwise_equal(runs, name, ac_flags, flags):
+    plain, ac = runs(baseline(flags)), runs(name)
     assert ac["loss"] == plain["loss"]
     for param in plain["grads"]:
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param
@@ -222,9 +233,8 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(tmp_path, models):
-    eager = worker(tmp_path, models["untied"], 2, "eager", "--ac-ratio", "0.5")
-    compiled = worker(tmp_path, models["untied"], 2, "compiled", "--ac-ratio", "0.5", "--compile")
+def test_compiled_blocks_match_eager(runs):
+    eager, compiled = runs("blocks, ratio 0.5"), runs("compiled, ratio 0.5")
     assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
     assert_grads_close(compiled["grads"], eager["grads"], rtol=1e-4, atol=1e-6)
 
@@ -240,7 +250,8 @@ def test_loading_an_hf_checkpoint_is_exact_and_sharded(tmp_path):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source)).save_pretrained(source)
     full_gib = sum(f.stat().st_size for f in source.glob("*.safetensors")) / 2**30
-    run = worker(tmp_path, source, 2, "load", "--load", str(source))
+    launch(tmp_path, 2, {"load": ["--model", str(source), "--load", str(source)]})
+    run = torch.load(tmp_path / "load.pt")
     assert run["load_mismatches"] == []
     assert run["tied_after_load"] and run["tied_after_step"]
     assert full_gib > 0.4
