@@ -39,6 +39,6 @@ demo: install demo-data
 test: install
 	$(PYTHON) -m pytest -q tests
 
-# The unit tier (no torchrun launches), under a minute: for the edit-test loop while developing.
+# The unit tier (nothing launches torchrun or a Python), about half a minute: for the edit-test loop.
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow" tests

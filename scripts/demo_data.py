@@ -73,13 +73,13 @@ def generate(n: int, seed: int) -> list[dict]:
     return [conversation(rng) for _ in range(n)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/demo")
     parser.add_argument("--train", type=int, default=1200)
     parser.add_argument("--eval", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", generate(args.train, args.seed)), ("eval", generate(args.eval, args.seed + 1))):

@@ -7,7 +7,7 @@ Layout of a run directory's checkpoints:
         scheduler.pt             LR scheduler state
         rng-rank{r}.pt           python / numpy / torch / cuda RNG state of rank r
         train_state.json         step, tokens seen, global batch, world size, first eval loss
-        digests.json             CRC-32 of each DCP data file, verified before a resume loads it
+        digests.json             CRC-32 of every other file, verified before a resume loads it
         config.yaml              the resolved config of the run
         hf/                      the model's config.json and tokenizer (export needs nothing else)
     checkpoints/latest           name of the newest committed checkpoint (for people and tools)
@@ -16,8 +16,9 @@ A save writes `step-N.tmp/`, waits for every rank, fsyncs it and renames it to `
 rewrites `latest`, and only then deletes checkpoints beyond `keep_last`: a crash at any point
 leaves a complete checkpoint. Resume `auto` takes the newest complete `step-N/`, skipping (with a
 warning) any that is incomplete or damaged: every file a resume reads is checked (sizes, parse,
-every rank's RNG file), and the DCP data files against the CRC-32 of each written at commit
-(`digests.json`; the ranks share the reading). A skipped checkpoint is set aside by the run
+every rank's RNG file), and every file against the CRC-32 of it written at commit (`digests.json`;
+the ranks share the reading; a checkpoint whose train_state.json says it has digests and has none
+is damaged). A skipped checkpoint is set aside by the run
 directory (sft/rundir.py), so a requeued job does not stumble on it again.
 A save that fails (disk full, permissions) removes its `.tmp`, leaves the previous checkpoints as
 they were and stops the run with one clear error.
@@ -136,21 +137,24 @@ def _data_files(path: Path, rank: int = 0, world_size: int = 1) -> list[Path]:
 
 
 def content_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
-    """Which of this rank's share of `path`'s data files differs from the digest written at commit
-    (a bit flip, a partial overwrite, bytes of the right size that are not the checkpoint), or
-    None. A checkpoint written before digests existed has none to check against."""
+    """Which of this rank's share of `path`'s files differs from the digest written at commit (a bit
+    flip, a partial overwrite, bytes of the right size that are not the checkpoint), or None. Never
+    raises: a file that cannot be read is a problem like any other (every rank must reach the
+    collective that compares their answers). A checkpoint written before digests existed has none."""
     try:
+        if not (path / DIGESTS).is_file():
+            state = path / "train_state.json"
+            return f"missing {DIGESTS}" if state.is_file() and json.loads(state.read_text()).get("digests") else None
         digests = json.loads((path / DIGESTS).read_text())
-    except FileNotFoundError:
+        unlisted = [data.name for data in _data_files(path) if data.name not in digests]
+        if rank == 0 and unlisted:
+            return f"{unlisted[0]} is not in {DIGESTS}"
+        for name in sorted(digests)[rank::world_size]:
+            if _digest(path / name) != digests[name]:
+                return f"{name} differs from its digest (damaged after it was written)"
         return None
-    except Exception as e:
-        return f"unreadable {DIGESTS} ({type(e).__name__})"
-    for data in _data_files(path, rank, world_size):
-        if data.name not in digests:
-            return f"{data.name} is not in {DIGESTS}"
-        if _digest(data) != digests[data.name]:
-            return f"{data.name} differs from its digest (damaged after it was written)"
-    return None
+    except Exception as e:  # unreadable (EIO, a stale handle) or a digests.json that is not ours
+        return f"unreadable ({type(e).__name__}: {e})"
 
 
 def _write_shards(state: dict, tmp: Path, group: dist.ProcessGroup | None, rank: int, world_size: int) -> dict:
@@ -161,7 +165,15 @@ def _write_shards(state: dict, tmp: Path, group: dist.ProcessGroup | None, rank:
 
 
 def checkpoint_problem(path: Path, files: tuple[str, ...] = tuple(_FILES)) -> str | None:
-    """Why `path` is not a complete, readable checkpoint (DCP data plus `files`), or None."""
+    """Why `path` is not a complete, readable checkpoint (DCP data plus `files`), or None. Never
+    raises: a filesystem error is a problem of the checkpoint, and the search goes on."""
+    try:
+        return _structure_problem(path, files)
+    except OSError as e:
+        return f"unreadable ({e})"
+
+
+def _structure_problem(path: Path, files: tuple[str, ...]) -> str | None:
     if not path.is_dir():
         return "no such directory"
     missing = [f for f in (".metadata", *files) if not (path / f).is_file()]
@@ -397,7 +409,8 @@ class Checkpointer:
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
                 (tmp / "config.yaml").write_text(to_yaml(self.cfg))
-                (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state}, indent=2))
+                (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, "digests": True},
+                                                                 indent=2))
                 model.config.save_pretrained(tmp / "hf")
                 self.tokenizer.save_pretrained(tmp / "hf")
         except SAVE_FAILURES as e:  # every rank learns of it in finish(), which raises the one clear error
@@ -668,7 +681,9 @@ class _WrittenByAllRanks:
 
     def _commit(self, digests: dict) -> None:
         try:
-            if digests:
+            if digests:  # the ranks' data files, and here every other file (.metadata, RNG states, ...)
+                others = [p for p in self.tmp.rglob("*") if p.is_file() and p.suffix != ".distcp"]
+                digests = {**digests, **{str(p.relative_to(self.tmp)): _digest(p) for p in others}}
                 (self.tmp / DIGESTS).write_text(json.dumps(digests, indent=1, sort_keys=True))
             atomic.commit(self.tmp, self.final)
         except OSError as e:

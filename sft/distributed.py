@@ -109,14 +109,32 @@ def rank0_first(work: Callable[[], T]) -> T:
     """Collective: rank 0 runs `work` before the other ranks do, so that bad input (a missing model,
     malformed data) stops every rank with one error, reported once, and the others then read what
     rank 0 left in the caches (the datasets cache, the hub cache). They wait without the collective
-    timeout: a first run on a large dataset can tokenise for longer than dist.timeout_minutes.
+    timeout: a first run on a large dataset can tokenise for longer than dist.timeout_minutes. A
+    rank that then fails alone (a node-local file) stops every rank too, and rank 0 reports it.
     Never call it inside `work` of another collective helper: the ranks would wait in different
     collectives."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return work()
     done: list[T] = []
     decided_on_rank0(lambda: done.append(work()), long_wait=True)
-    return done[0] if done else work()
+    failure: BaseException | None = None
+    if not done:
+        try:
+            done.append(work())
+        except BaseException as e:  # every rank must reach the gather below
+            failure = e
+    said = None if failure is None else str(failure) if isinstance(failure, UserError) else (
+        f"{type(failure).__name__}: {failure}")
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, said, group=_long_wait_group)
+    if failure is not None and not isinstance(failure, UserError):
+        raise failure  # this rank keeps its own traceback
+    rank, said = next(((r, f) for r, f in enumerate(failures) if f), (None, None))
+    if said is not None:
+        error = UserError(f"rank {rank}: {said}")
+        error.shared = dist.get_rank() != 0  # rank 0 says it, once
+        raise error
+    return done[0]
 
 
 def decided_on_rank0(decide: Callable[[], T], long_wait: bool = False) -> T:

@@ -36,6 +36,10 @@ REQUEUE_EXIT_CODE = 75
 STOPPED_MARKER = "stopped"
 STOP_REQUEST = "stop-request"
 LAUNCHER_GONE = "the exit of its torchrun"
+# The launcher, read as this module is imported (train.py imports it first thing): before the
+# rendezvous and the loading, during which the launcher may already die. torchrun sets
+# TORCHELASTIC_RUN_ID in its workers' environment.
+_LAUNCHER = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 class StopRequest:
@@ -47,8 +51,6 @@ class StopRequest:
                  signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
         self.signal_name: str | None = None
         self.stop_file, self.started_at = stop_file, started_at
-        # torchrun sets TORCHELASTIC_RUN_ID in its workers' environment.
-        self._launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         for sig in signals:
             signal.signal(sig, self._handle)
 
@@ -57,7 +59,7 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        if self.signal_name is None and self._launcher is not None and os.getppid() != self._launcher:
+        if self.signal_name is None and _LAUNCHER is not None and os.getppid() != _LAUNCHER:
             self.signal_name = LAUNCHER_GONE  # orphaned: re-parented to init or a subreaper
         if self.signal_name is None and self.stop_file is not None:
             try:

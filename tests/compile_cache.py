@@ -13,6 +13,8 @@ artefacts before each run, would have to know every file format inductor writes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -25,24 +27,33 @@ class SessionCache:
 
     def begin(self) -> None:
         """Copy the persistent cache for this session and point inductor (and every process the
-        session starts) at the copy; drop the copies of sessions that died."""
-        for leftover in self.persistent.parent.glob(f"{self.persistent.name}.session-*"):
-            if not _alive(int(leftover.name.rsplit("-", 1)[1])):
-                shutil.rmtree(leftover, ignore_errors=True)
-        if self.persistent.is_dir():
-            shutil.copytree(self.persistent, self.work, symlinks=True)
-        else:
-            self.work.mkdir(parents=True)
+        session starts) at the copy; drop what sessions that died left behind."""
+        with self._locked():  # sessions running side by side copy and commit one at a time
+            for leftover in self.persistent.parent.glob(f"{self.persistent.name}.*-*"):
+                if leftover.is_dir() and not _alive(int(leftover.name.rsplit("-", 1)[1])):
+                    shutil.rmtree(leftover, ignore_errors=True)
+            if self.persistent.is_dir():
+                shutil.copytree(self.persistent, self.work, symlinks=True)
+            else:
+                self.work.mkdir(parents=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.work)
 
     def commit(self) -> None:
         """Make this session's copy the persistent cache (two renames: at every moment one complete
         cache exists under the persistent name or beside it)."""
-        old = self.persistent.with_name(f"{self.persistent.name}.old-{os.getpid()}")
-        if self.persistent.exists():
-            os.replace(self.persistent, old)
-        os.replace(self.work, self.persistent)
-        shutil.rmtree(old, ignore_errors=True)
+        with self._locked():
+            old = self.persistent.with_name(f"{self.persistent.name}.old-{os.getpid()}")
+            if self.persistent.exists():
+                os.replace(self.persistent, old)
+            os.replace(self.work, self.persistent)
+            shutil.rmtree(old, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.persistent.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.persistent.with_name(f"{self.persistent.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def discard(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)

@@ -3,8 +3,7 @@ import os
 # Tests are offline (set before huggingface_hub is imported: it reads the variable once).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,11 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
-    """The demo's synthetic chat data (small), generated once per test session."""
+    """The demo's synthetic chat data (small), generated once per test session (in this process, as
+    `python scripts/demo_data.py --train 200 --eval 40` would)."""
+    spec = importlib.util.spec_from_file_location("demo_data", REPO / "scripts" / "demo_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     out = tmp_path_factory.mktemp("demo_data")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "demo_data.py"), "--out", str(out),
-                    "--train", "200", "--eval", "40"], check=True, capture_output=True)
+    script.main(["--out", str(out), "--train", "200", "--eval", "40"])
     return out

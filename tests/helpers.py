@@ -33,12 +33,13 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = 
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr:
-        # Seen in about 1 of 75 two-rank launches, only under load, never in isolation (0/30):
-        # a rank aborts in a C++ destructor (std::terminate) inside torch/gloo, not in our code.
-        # Launch once more so it cannot turn CI red; every assertion still applies to the rerun.
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if check and proc.returncode != 0:
+    # Seen in about 1 of 75 two-rank launches, only under load, never in isolation (0/30): a rank
+    # aborts in a C++ destructor (std::terminate) inside torch/gloo as the process exits, after the
+    # run's work. The run's result stands and the test's assertions judge it. It is never launched
+    # again: a second launch of train.py resumes a run or, as configs/demo.yaml overwrites, restarts
+    # a finished one (a corrupt-checkpoint test once saw only the restart).
+    torn_down = proc.returncode != 0 and GLOO_TEARDOWN_ABORT in proc.stderr
+    if check and proc.returncode != 0 and not torn_down:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 

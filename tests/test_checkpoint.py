@@ -98,7 +98,9 @@ def test_a_corrupt_shard_of_the_right_size_falls_back_to_the_previous_checkpoint
     shutil.copytree(continuous / "continuous" / "checkpoints", run / "checkpoints")
     for step in ("step-4", "step-6"):  # the asynchronous and the final synchronous save
         written = json.loads((run / "checkpoints" / step / "digests.json").read_text())
-        assert sorted(written) == sorted(p.name for p in (run / "checkpoints" / step).glob("*.distcp"))
+        assert sorted(written) == sorted(str(p.relative_to(run / "checkpoints" / step))
+                                         for p in (run / "checkpoints" / step).rglob("*") if p.is_file()
+                                         and p.name != "digests.json")
     shard = sorted((run / "checkpoints" / "step-6").glob("*.distcp"))[1]
     garbage = os.urandom(shard.stat().st_size)
     shard.write_bytes(garbage)
@@ -119,17 +121,17 @@ def test_a_checkpoint_missing_a_ranks_rng_state_is_damaged(continuous, tmp_path)
     assert checkpoint_problem(step) == "missing rng-rank1.pt"
 
 
-def _children(pid: int) -> list[int]:
-    return [int(stat.split()[0]) for stat in (p.read_text() for p in Path("/proc").glob("[0-9]*/stat") if _readable(p))
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid]
-
-
-def _readable(path: Path) -> bool:
-    try:
-        path.read_text()
-        return True
-    except OSError:  # a process that ended while we looked
-        return False
+def _workers(launcher: int) -> list[int]:
+    """The train.py processes whose parent is `launcher`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher and b"train.py" in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except (OSError, ValueError):  # a process that ended while we looked
+            pass
+    return found
 
 
 def _running(pid: int) -> bool:
@@ -149,13 +151,13 @@ def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data):
     proc = start_in_background(args, nproc=2, env=with_test_hooks(SFT_TEST_SLOW_STEP_S="1"), new_session=True)
     run = continuous / "orphaned"
     wait_for_step(proc, run, 1)
-    workers = _children(proc.pid)
-    assert len(workers) == 2
+    workers = _workers(proc.pid)
+    assert len(workers) == 2, workers
     os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)  # the workers hold its pipes: this returns once they have exited
-    assert not any(_running(pid) for pid in workers)
+    stdout, stderr = proc.communicate(timeout=60)  # the workers hold its pipes: back once they have exited
+    assert not any(_running(pid) for pid in workers), workers
     stopped = json.loads((run / "stopped").read_text())
-    assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3
+    assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3, (stopped, stdout[-2000:], stderr[-2000:])
     rerun = run_demo(demo_data, continuous, "orphaned", *args[args.index("eval.every_steps=0"):], nproc=2)
     assert f"(step {stopped['step']}, saved by 2 ranks)" in rerun.stdout
     resumed = train_steps(run)

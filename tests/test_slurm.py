@@ -1,4 +1,6 @@
-"""slurm/train.slurm in a fake Slurm: the exact torchrun command, the requeue path, loopback refusal."""
+"""slurm/train.slurm in a fake Slurm: the exact torchrun command, the requeue path, loopback refusal.
+
+Slow tier: each sbatch runs the script, which starts a Python to resolve the run directory."""
 
 import os
 import subprocess
@@ -8,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO
+
+pytestmark = pytest.mark.slow
 
 SHIMS = {
     "scontrol": """#!/bin/bash
@@ -136,7 +140,6 @@ exit $(( a > b ? a : b ))
 """
 
 
-@pytest.mark.slow
 def test_two_nodes_on_one_host_train_like_two_local_ranks(fake_slurm):
     """slurm/train.slurm really launching two torchrun "nodes" (one rank each) with the c10d
     rendezvous on the first: the losses equal a single-node 2-rank run's."""
