@@ -210,11 +210,13 @@ MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
 AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
-# What a checkpointed block recomputes, as a fraction of its forward. ops: norms, rotary, SiLU and
-# residual sums, memory-bound ops worth ~5-10% of a compiled 7B block at 4k tokens; ops_half adds k,
-# o and up (~35% of the block's matmul FLOPs). Estimates until scripts/bench_gpu.sh stages acp7b,
-# acp7bf8, acv7b and ac32k measure them (docs/BENCHMARKS.md).
-RECOMPUTE = {"blocks": 1.0, "ops": 0.1, "ops_half": 0.4}
+# What a checkpointed block costs plan.auto, as a fraction of a whole block's recomputation. By their
+# FLOPs the op modes recompute far less (ops: norms, rotary, SiLU; ops_half also k, o and up, ~35% of
+# the matmuls), but measured on 2 x H100 with 7B, ops_half at ratio 1 ran +0.6% (bf16) and -2%
+# (float8) against whole blocks, its extra memory costing allocator retries (docs/BENCHMARKS.md), and
+# ops never fit there. Until a measurement shows a gain, plan.auto weighs them as whole blocks: it
+# then prefers the larger micro-batch, and whole blocks at equal cost.
+RECOMPUTE = {"blocks": 1.0, "ops": 1.0, "ops_half": 1.0}
 
 
 def recompute_cost(layers: int, ac_ratio: float, ac_mode: str) -> float:
