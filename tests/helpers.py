@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from sft.config import run_command
+from sft.masking import IGNORE_INDEX
 from sft.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,6 +43,18 @@ def run_torchrun(args: list[str], nproc: int, timeout: int = 600, check: bool = 
     if check and proc.returncode != 0 and not torn_down:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def supervised_spans(labels: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of supervised labels (not IGNORE_INDEX)."""
+    out, start = [], None
+    for i, label in enumerate(labels + [IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = i
+        elif label == IGNORE_INDEX and start is not None:
+            out.append((start, i))
+            start = None
+    return out
 
 
 def run_cli(main, argv: list[str], capsys) -> tuple[int, str, str]:

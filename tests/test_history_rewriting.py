@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import supervised_spans
 from real_tokenizers import QWEN25_TEMPLATE, QWEN3_STYLE_TEMPLATE, real_tokenizer
 from sft.config import DataConfig
 from sft.data import prepare_sft_data
-from sft.masking import IGNORE_INDEX, DropSample, normalise_reasoning, reasoning_field, tokenize_conversation
+from sft.masking import DropSample, normalise_reasoning, reasoning_field, tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
@@ -75,18 +76,6 @@ def tok():
     return tok
 
 
-def runs(labels):
-    """(start, end) of each run of supervised labels."""
-    out, start = [], None
-    for i, label in enumerate(labels + [IGNORE_INDEX]):
-        if label != IGNORE_INDEX and start is None:
-            start = i
-        elif label == IGNORE_INDEX and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def check_rows(tok, messages, generated, rows, tools=None, **template_kwargs):
     """Every turn trained once, as generated; prompts as at inference. Returns the turn each row trains."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -95,7 +84,7 @@ def check_rows(tok, messages, generated, rows, tools=None, **template_kwargs):
     trained = []
     for ids, labels in rows:
         row_turns = []
-        for n, (start, end) in enumerate(runs(labels)):
+        for n, (start, end) in enumerate(supervised_spans(labels)):
             k = prompts.index(tok.decode(ids[:start]))  # the row up to the run is turn k's inference prompt
             assert tok.decode(ids[start:end]) == generated[k]
             assert ids[start:end] == tok(generated[k], add_special_tokens=False)["input_ids"]
@@ -142,7 +131,7 @@ def test_enable_thinking_false_from_the_config(tok):
     # Training the last turn only needs only the last turn to be generated; the first is history.
     (ids, labels), = tokenize_conversation(tok, reasoned, None, max_seq_len=4096, last_turn_only=True,
                                            template_kwargs={"enable_thinking": False})
-    (start, end), = runs(labels)
+    (start, end), = supervised_spans(labels)
     assert tok.decode(ids[start:end]) == "12." + END
     assert ids[:start] == tok.apply_chat_template(reasoned[:-1], add_generation_prompt=True,
                                                   enable_thinking=False)["input_ids"]
@@ -151,7 +140,7 @@ def test_enable_thinking_false_from_the_config(tok):
 def test_last_assistant_trains_the_final_turn_in_one_row(tok):
     messages, generated, _ = CASES["multi_turn"]
     (ids, labels), = tokenize_conversation(tok, messages, None, max_seq_len=4096, last_turn_only=True)
-    (start, end), = runs(labels)
+    (start, end), = supervised_spans(labels)
     assert tok.decode(ids[start:end]) == generated[-1]
     assert ids[:start] == tok.apply_chat_template(messages[:-1], add_generation_prompt=True)["input_ids"]
 
@@ -163,7 +152,7 @@ def test_truncation_cuts_an_expanded_row(tok):
     assert len(full[1][0]) <= cut
     rows = tokenize_conversation(tok, messages, None, max_seq_len=cut)
     assert rows[:2] == full[:2] and rows[2] == (full[2][0][:cut], full[2][1][:cut])
-    (start, end), = runs(rows[2][1])
+    (start, end), = supervised_spans(rows[2][1])
     assert tok.decode(rows[2][0][start:end]) == think() + "You're"
 
 
@@ -232,7 +221,7 @@ def test_last_assistant_does_not_expand(tok, tmp_path):
     cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"), train_on="last_assistant")
     train, _, reports = prepare_sft_data(cfg, tok, seed=0)
     assert len(train) == 2 and reports["train"].expanded == 0
-    assert sorted(len(runs(r["labels"])) for r in train) == [1, 1]
+    assert sorted(len(supervised_spans(r["labels"])) for r in train) == [1, 1]
 
 
 def test_rows_follow_the_rendering_not_the_model(tok, monkeypatch):
@@ -255,6 +244,6 @@ def test_template_kwargs_are_part_of_the_cache_key(tok, tmp_path):
                          chat_template_kwargs={"enable_thinking": thinking})
         train, _, _ = prepare_sft_data(cfg, tok, seed=0)
         (ids, labels), = zip(train["input_ids"], train["labels"])
-        trained.append([tok.decode(ids[start:end]) for start, end in runs(labels)])
+        trained.append([tok.decode(ids[start:end]) for start, end in supervised_spans(labels)])
     # The same text either way; with thinking off the empty think block is prompt, not trained.
     assert trained == [[think() + "4." + END], ["4." + END]]

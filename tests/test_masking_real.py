@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from helpers import DEMO_MODEL, REPO
+from helpers import DEMO_MODEL, REPO, supervised_spans
 from real_tokenizers import END_OF_TURN, real_tokenizer
-from sft.masking import IGNORE_INDEX, tokenize_conversation
+from sft.masking import tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -69,18 +69,6 @@ def template(request):
     return request.param, tok
 
 
-def spans(labels):
-    """(start, end) of each run of supervised labels."""
-    out, start = [], None
-    for i, label in enumerate(labels + [IGNORE_INDEX]):
-        if label != IGNORE_INDEX and start is None:
-            start = i
-        elif label == IGNORE_INDEX and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_supervised_tokens_are_the_turns_own_tokens(template, case):
     name, tok = template
@@ -88,8 +76,8 @@ def test_supervised_tokens_are_the_turns_own_tokens(template, case):
     tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
     (ids, labels), = tokenize_conversation(tok, messages, tools, max_seq_len=4096)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    assert len(spans(labels)) == len(turns)
-    for (start, end), i in zip(spans(labels), turns):
+    assert len(supervised_spans(labels)) == len(turns)
+    for (start, end), i in zip(supervised_spans(labels), turns):
         expected = expected_turn_text(name, messages[i])
         assert tok.decode(ids[start:end]) == expected
         assert ids[start:end] == tok(expected, add_special_tokens=False)["input_ids"]
@@ -98,7 +86,7 @@ def test_supervised_tokens_are_the_turns_own_tokens(template, case):
         assert tok.decode(ids[:start]) == prompt
     first = turns[0]
     inference_prompt = tok.apply_chat_template(messages[:first], tools=tools, add_generation_prompt=True)["input_ids"]
-    assert ids[: spans(labels)[0][0]] == list(inference_prompt)
+    assert ids[: supervised_spans(labels)[0][0]] == list(inference_prompt)
     # Nothing is left out: the row is the whole rendered conversation.
     assert tok.decode(ids) == tok.apply_chat_template(messages, tools=tools, tokenize=False)
 
