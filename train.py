@@ -31,6 +31,7 @@ from sft.float8 import precompute_float8_scales
 from sft.loss import attach_sft_loss, forward_backward
 from sft.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
 from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.moe import apply_moe
 from sft.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.parallel import build_mesh, parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     # Model: built on meta, wrapped in the fixed order float8 -> AC -> compile -> FSDP, then
     # materialised shard by shard, so no rank ever holds the full weights.
     model = rank0_first(lambda: build_meta_model(cfg.model))
+    apply_moe(model, cfg.moe)  # MoE models: our routing, experts and load-balancing loss (sft/moe.py)
     if gpu_mem_gib:  # before anything is allocated: would this run fit?
         warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
         if warning:

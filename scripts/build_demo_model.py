@@ -1,4 +1,5 @@
-"""Build the demo's tokenizer and model config into configs/demo/model (committed; rerun to refresh).
+"""Build the demo's tokenizer and model config into configs/demo/model, and the MoE demo's config
+into configs/demo_moe/model (committed; rerun to refresh).
 
     python scripts/build_demo_model.py
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
 from demo_data import generate  # noqa: E402
@@ -82,6 +83,22 @@ def main() -> None:
     config.architectures = ["Qwen2ForCausalLM"]
     config.save_pretrained(args.out)
     print(f"wrote tokenizer ({len(tokenizer)} tokens) and config to {args.out}")
+    moe_out = Path(args.out).parent.parent / "demo_moe" / "model"
+    moe_config(tokenizer).save_pretrained(moe_out)
+    print(f"wrote the MoE demo's config to {moe_out} (its tokenizer is the demo's)")
+
+
+def moe_config(tokenizer) -> Qwen3MoeConfig:
+    """A tiny Qwen3-MoE: 8 experts, 2 per token, every layer sparse; widths multiples of 8 so that
+    bf16 rows meet the grouped GEMM's 16-byte alignment."""
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, intermediate_size=384, moe_intermediate_size=96,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.01,
+                            max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                            tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
 
 
 if __name__ == "__main__":

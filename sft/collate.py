@@ -2,7 +2,8 @@
 
 Right padding needs no attention mask for a causal model: a real token only attends to earlier
 positions, never to the pads after it, and pads carry IGNORE_INDEX labels. Leaving the mask out
-keeps SDPA on its fused causal kernel. `position_ids` are always returned, so a packing collate
+keeps SDPA on its fused causal kernel. `real_tokens` marks what is not padding (a pad id may also be a
+real token, e.g. EOS): the load-balancing loss of MoE models counts only real tokens. `position_ids` are always returned, so a packing collate
 (several documents per row, positions restarting per document) fits the same interface.
 """
 
@@ -30,7 +31,8 @@ def collate(samples: list[dict], pad_token_id: int, max_seq_len: int, pad_to_mul
         input_ids[row, :n] = torch.as_tensor(sample["input_ids"])
         labels[row, :n] = torch.as_tensor(sample["labels"])
     position_ids = torch.arange(length).expand(len(samples), length).contiguous()
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    real_tokens = torch.arange(length) < torch.tensor([len(s["input_ids"]) for s in samples])[:, None]
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "real_tokens": real_tokens}
 
 
 def collate_packed(rows: list[list[dict]], pad_token_id: int, row_len: int) -> dict[str, torch.Tensor]:
@@ -44,6 +46,7 @@ def collate_packed(rows: list[list[dict]], pad_token_id: int, row_len: int) -> d
     input_ids = torch.full((len(rows), row_len), pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), row_len), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), row_len), dtype=torch.long)
+    real_tokens = torch.zeros((len(rows), row_len), dtype=torch.bool)
     for r, samples in enumerate(rows):
         start = 0
         for sample in samples:
@@ -52,7 +55,8 @@ def collate_packed(rows: list[list[dict]], pad_token_id: int, row_len: int) -> d
             labels[r, start : start + n] = torch.as_tensor(sample["labels"])
             position_ids[r, start : start + n] = torch.arange(n)
             start += n
+        real_tokens[r, :start] = True
         # The padding continues the last sample's positions, so it reads as part of it (and is
         # ignored by the loss) rather than as a new document.
         position_ids[r, start:] = torch.arange(row_len - start) + (position_ids[r, start - 1] + 1 if start else 0)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "real_tokens": real_tokens}

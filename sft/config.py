@@ -199,6 +199,21 @@ class ACConfig:
 
 
 @dataclass
+class MoEConfig:
+    aux_loss_coef: float | None = None
+    """Coefficient of the load-balancing loss of mixture-of-experts models (null: the model's
+    router_aux_loss_coef from config.json, e.g. 0.001 for Qwen3-MoE; 0 turns it off). Switch-style,
+    per layer over each micro-batch's real tokens, weighted so the step's total does not depend on
+    ranks or grad-accum steps (sft/moe.py says exactly what is computed)."""
+    train_router: bool = True
+    """Train the routers. False freezes them (the load-balancing loss then only reaches the hidden
+    states through the router's input; set aux_loss_coef: 0 to drop it)."""
+    router_fp32: bool = True
+    """Compute router logits, softmax and top-k in float32 from the gathered router weight, as
+    Qwen3-MoE and Mixtral were trained; false computes the logits in fsdp.param_dtype."""
+
+
+@dataclass
 class CompileConfig:
     enabled: bool = False
     """torch.compile each decoder block (after activation checkpointing, before FSDP)."""
@@ -289,6 +304,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ac: ACConfig = field(default_factory=ACConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -343,6 +359,8 @@ def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
+    check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
+          "must be >= 0, or null for the model's router_aux_loss_coef")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
     check(cfg.checkpoint.enabled or not cfg.checkpoint.export_hf, "checkpoint.export_hf", cfg.checkpoint.export_hf,

@@ -112,14 +112,25 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
     token count), both still on the device: nothing here makes the host wait for the GPU."""
     inputs = [loss_inputs(b) for b in micro_batches]
+    router = getattr(model, "sft_router_loss", None)  # MoE: the load-balancing loss (sft/moe.py)
     # One all-reduce of the count before any backward: every micro-batch on every rank is
-    # divided by the same global number of supervised tokens.
-    num_tokens = all_reduce_sum([sum(len(x["target_ids"]) for x in inputs)], device)[0]
+    # divided by the same global number of supervised tokens (and, for MoE, of real tokens).
+    counts = [sum(len(x["target_ids"]) for x in inputs)]
+    if router:
+        counts.append(sum(int(b["real_tokens"].sum()) for b in micro_batches))
+    counts = all_reduce_sum(counts, device)
+    num_tokens = counts[0]
+    if router:
+        router.begin_step(counts[1])
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, batch in enumerate(inputs):
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
             model.set_requires_gradient_sync(i == len(inputs) - 1)
+        if router:
+            router.begin_micro_batch(micro_batches[i]["real_tokens"].to(device, non_blocking=True))
         loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        if router:
+            router.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()
         ce_sum += loss.detach()
     return ce_sum, num_tokens

@@ -16,6 +16,7 @@ import torch
 
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0
+from sft.moe import RouterLoss, active_parameters
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
 # text is in torch.cuda.get_device_name() (so the specific "H100 PCIe" comes before "H100").
@@ -107,7 +108,8 @@ class StepMetrics:
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
                  first_step_extras: dict):
         text = model.config.get_text_config()
-        self.num_params = sum(p.numel() for p in model.parameters())
+        self.num_params = active_parameters(model)  # MoE: the experts a token runs through, for MFU
+        self.router: RouterLoss | None = getattr(model, "sft_router_loss", None)
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         self.first_step_extras = first_step_extras
@@ -131,9 +133,13 @@ class StepMetrics:
         tokens = sum(n for _, n in micro_batches)
         flops = sum(n * flops_per_token(self.num_params, self.num_layers, self.hidden, b["input_ids"].shape[1])
                     for b, n in micro_batches)
+        router_stats = self.router.step_stats().double().flatten().to(self.env.device) if self.router else None
         summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(self.env.device),
                                            torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64,
-                                                        device=self.env.device)]), self.env.device)
+                                                        device=self.env.device),
+                                           *([router_stats] if self.router else [])]), self.env.device)
+        if self.router:  # the MoE part: [layers, 1 + experts] sums over ranks
+            router_stats, summed = summed[4:].view(len(self.router.blocks), -1), summed[:4]
         # grad_norm may live on the host (CPU offload): bring everything to one device to read it once.
         ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
             [summed, supervised.double().view(1).to(self.env.device),
@@ -147,6 +153,8 @@ class StepMetrics:
                  "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
                  "peak_memory_gib": peak_memory_gib(self.env.device), **self.allocator.step()}
+        if self.router:
+            entry.update(RouterLoss.summary(router_stats))
         if self.peak_flops:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
@@ -242,6 +250,9 @@ def format_step(entry: dict, total_steps: int) -> str:
             f"lr {entry['lr']:.2e} | {entry['tokens_per_s_per_gpu']:,.0f} tok/s/gpu")
     if "mfu" in entry:
         line += f" | MFU {entry['mfu']:.1%} | peak {entry['peak_memory_gib']:.1f} GiB"
+    if "aux_loss" in entry:  # MoE: the worst layer's expert load
+        line += (f" | aux {entry['aux_loss']:.4f} | load max/mean {max(entry['expert_load_max_over_mean']):.2f}, "
+                 f"{sum(entry['dead_experts'])} dead")
     if entry.get("alloc_retries"):
         line += f" | {entry['alloc_retries']} allocator retries"
     return line + f" | {entry['step_time']:.2f} s/step | ETA {datetime.timedelta(seconds=round(entry['eta_s']))}"

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from sft.config import ModelConfig, UserError
+from sft import moe
 from sft.distributed import rank0_first
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -112,7 +113,7 @@ def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, model: nn.Module):
         root = Path(directory)
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
@@ -126,6 +127,9 @@ class SafetensorsWeights:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
         self.source, self.root, self.weight_map = directory, root, weight_map
+        # MoE: fused expert parameters are per-expert tensors in the hub files (sft/moe.py)
+        self.model_type = model.config.model_type
+        self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
 
     def check(self, model: nn.Module) -> None:
         """One clear error if the files lack a parameter of `model` or hold it in another shape
@@ -134,15 +138,21 @@ class SafetensorsWeights:
         for file in sorted(set(self.weight_map.values())):  # headers only
             with safe_open(self.root / file, framework="pt") as f:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        wrong = [f"{name}: {tuple(p.shape)} in the model of config.json, {shapes.get(name, 'absent')} in the files"
-                 for name, p in ((clean_name(n), p) for n, p in model.named_parameters())
-                 if shapes.get(name) != tuple(p.shape)]
+        expected = {}
+        for name, shape in self.shapes.items():
+            expected.update({name: shape} if name in shapes else moe.hub_shapes(self.model_type, name, shape))
+        wrong = [f"{name}: {shape} in the model of config.json, {shapes.get(name, 'absent')} in the files"
+                 for name, shape in expected.items() if shapes.get(name) != shape]
         if wrong:
             raise ModelError(f"model.name_or_path={self.source!r}: its weights do not match its config.json "
                              f"({len(wrong)} tensors differ, "
                              f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        if name not in self.weight_map and moe.is_fused_expert(name):
+            return moe.read_fused_slice(lambda hub, i: self.read(hub, i, device), self.model_type, name,
+                                        self.shapes[name], index)
+        name = name if name in self.weight_map else moe.hub_name(self.model_type, name)
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
         with safe_open(self.root / self.weight_map[name], framework="pt", device="cpu") as f:
@@ -208,7 +218,7 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
         return RandomWeights(cfg, seed)
 
     def opened() -> SafetensorsWeights:
-        weights = SafetensorsWeights(cfg.name_or_path)
+        weights = SafetensorsWeights(cfg.name_or_path, model)
         if not dist.is_initialized() or dist.get_rank() == 0:
             weights.check(model)
         return weights

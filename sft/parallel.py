@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from sft.config import DTYPES, ACConfig, ConfigError, FSDPConfig
 from sft.distributed import log0
 from sft.float8 import apply_float8
+from sft.moe import ROUTING_OPS, expert_placement
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
     """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
@@ -66,6 +67,8 @@ def _expensive_ops() -> tuple[frozenset, frozenset]:
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch._higher_order_ops.flex_attention,
+        # MoE routing: recomputation must reuse the forward's choice of experts (sft/moe.py).
+        *ROUTING_OPS,
     ))
     return matmuls, others
 
@@ -96,6 +99,14 @@ def _op_level_context(every: int) -> tuple:
     return create_selective_checkpoint_contexts(policy)
 
 
+def _routing_kept_context() -> tuple:
+    """Whole-block checkpointing of an MoE block: everything is recomputed but the routing decision."""
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if func in ROUTING_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig) -> list[nn.Module]:
     """Wrap the blocks ac.ratio picks in non-reentrant activation checkpointing (ac.mode: the whole
     block recomputed, or only its cheap ops); returns the new block list."""
@@ -105,6 +116,8 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig) -> list[nn
     options = {}
     if ac.mode in OPS_KEEP_EVERY:
         options["context_fn"] = functools.partial(_op_level_context, OPS_KEEP_EVERY[ac.mode])
+    elif getattr(model, "sft_router_loss", None):
+        options["context_fn"] = _routing_kept_context
     wrapped = []
     for i, block in enumerate(blocks):
         if i in chosen:
@@ -134,6 +147,8 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
     options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                              reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
+    if getattr(model, "sft_router_loss", None):  # MoE: expert weights sharded over experts, or rows
+        options["shard_placement_fn"] = expert_placement(mesh.shape[-1])
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)

@@ -21,12 +21,13 @@ from torch.distributed.tensor import DTensor
 from safetensors import safe_open
 
 from helpers import synthetic_global_batch
-from sft.collate import collate
-from sft.config import ACConfig, FSDPConfig, ModelConfig, OptimConfig
+from sft.collate import collate, collate_packed
+from sft.config import ACConfig, FSDPConfig, MoEConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.loss import attach_sft_loss, forward_backward
 from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_weights, materialize,
                        real_buffers)
+from sft.moe import apply_moe
 from sft.optim import build_optimizer
 from sft.parallel import build_mesh, parallelize
 
@@ -69,6 +70,8 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--zero2", action="store_true", help="fsdp.reshard_after_forward=false")
     p.add_argument("--deferred-sync", action="store_true", help="fsdp.sync_grads_each_microbatch=false")
     p.add_argument("--reference", action="store_true")
+    p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
+    p.add_argument("--packed", action="store_true", help="each micro-batch as one packed row")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     return p.parse_args(flags)
 
@@ -96,15 +99,19 @@ def run(args: argparse.Namespace, env) -> dict:
     buffers = real_buffers(model)
     result: dict = {}
 
-    if args.reference:
+    if args.reference and args.micro_batch:
+        result.update(moe_reference(model, buffers, model_cfg, samples, args.micro_batch, env.device))
+        named = dict(model.named_parameters())
+    elif args.reference:
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         batch = collate(samples, pad_token_id=0, max_seq_len=4096)
-        loss = model(**batch).loss
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
         loss.backward()
         result["loss"] = loss.item()
         named = dict(model.named_parameters())
     else:
+        router = apply_moe(model, MoEConfig())
         mesh = build_mesh(env.device.type, env.world_size, args.replicate)
         parallelize(model, decoder_blocks(model), mesh, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
@@ -129,9 +136,13 @@ def run(args: argparse.Namespace, env) -> dict:
         per_rank = args.global_batch // env.world_size
         mine = samples[env.rank * per_rank : (env.rank + 1) * per_rank]
         micro = per_rank // args.grad_accum
-        batches = [collate(mine[i : i + micro], 0, 4096) for i in range(0, per_rank, micro)]
+        batches = [collate_packed([mine[i : i + micro]], 0, 128) if args.packed else collate(mine[i : i + micro], 0, 4096)
+                   for i in range(0, per_rank, micro)]
         ce_sum, num_tokens = forward_backward(model, batches, env.device, sync_each_microbatch=not args.deferred_sync)
         result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
+        if router:
+            stats = all_reduce_sum(router.step_stats(), env.device)
+            result["aux_loss"] = router.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
@@ -145,6 +156,34 @@ def run(args: argparse.Namespace, env) -> dict:
 
     result["grads"] = {clean_name(n): full(p.grad) for n, p in named.items()}
     return result
+
+
+def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], micro: int,
+                  device: torch.device) -> dict:
+    """One process, Hugging Face's own MoE model (its per-expert loop, its load_balancing_loss_func
+    with the padding masked), on the micro-batches of `micro` samples of the run it stands for:
+    sum of CE / supervised tokens + coef * mean over layers of each micro-batch's aux loss, weighted
+    by its share of real tokens (the definition in sft/moe.py)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model.set_experts_implementation("eager")
+    materialize(model, buffers, device)
+    load_weights(model, initial_weights(model_cfg, 0, model), device)
+    config = model.config
+    batches = [collate(samples[i : i + micro], 0, 4096) for i in range(0, len(samples), micro)]
+    supervised = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    real = sum(int(b["real_tokens"].sum()) for b in batches)
+    ce, aux = 0.0, 0.0
+    for b in batches:
+        out = model(input_ids=b["input_ids"], position_ids=b["position_ids"], output_router_logits=True)
+        # its CE without its aux term (which forward adds to the loss over all tokens, padding included)
+        ce = ce + model.loss_function(out.logits, b["labels"], config.vocab_size) * int(
+            (b["labels"][:, 1:] != -100).sum()) / supervised
+        layers = [load_balancing_loss_func((logits,), config.num_experts, config.num_experts_per_tok,
+                                           b["real_tokens"]) for logits in out.router_logits]
+        aux = aux + config.router_aux_loss_coef * sum(layers) / len(layers) * int(b["real_tokens"].sum()) / real
+    (ce + aux).backward()
+    return {"loss": ce.item(), "aux_loss": aux.item()}
 
 
 if __name__ == "__main__":

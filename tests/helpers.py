@@ -18,6 +18,7 @@ from sft.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "configs" / "demo" / "model"
+DEMO_MOE_MODEL = REPO / "configs" / "demo_moe" / "model"
 
 
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
@@ -77,6 +78,17 @@ def model_dir(tmp: Path, tied: bool = True, **overrides) -> Path:
         if "num_hidden_layers" in overrides:
             config.pop("layer_types", None)  # derived from the depth; transformers recomputes it
         config.update(tie_word_embeddings=tied, **overrides)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def moe_model_dir(tmp: Path, **overrides) -> Path:
+    """The MoE demo's tiny Qwen3-MoE config (configs/demo_moe/model) with the demo tokenizer."""
+    out = tmp / f"model_moe{'_' + '_'.join(map(str, overrides.values())) if overrides else ''}"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        config = json.loads((DEMO_MOE_MODEL / "config.json").read_text())
+        config.update(overrides)
         (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DEMO_MODEL, model_dir, run_demo, run_torchrun
+from helpers import DEMO_MODEL, model_dir, moe_model_dir, run_demo, run_torchrun
 from sft.config import ACConfig, ModelConfig
 from sft.metrics import read_metrics
 from sft.model import build_meta_model, decoder_blocks
@@ -19,7 +19,9 @@ from sft.plan import Shapes, ops_bytes_per_token
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("models")
-    return {"tied": model_dir(tmp, tied=True), "untied": model_dir(tmp, tied=False)}
+    return {"tied": model_dir(tmp, tied=True), "untied": model_dir(tmp, tied=False), "moe": moe_model_dir(tmp),
+            # fewer experts than ranks: expert weights sharded on their rows (Shard(1))
+            "moe, 1 expert": moe_model_dir(tmp, num_experts=1, num_experts_per_tok=1)}
 
 
 def launch(out: Path, nproc: int, runs: dict[str, list[str]]) -> None:
@@ -130,11 +132,13 @@ def runs(tmp_path_factory, models):
     state per run (seed, compile caches); every run uses the same global batch."""
     out = tmp_path_factory.mktemp("runs")
     model = {tie: ["--model", str(path)] for tie, path in models.items()}
-    one = {f"reference {tie}": [*model[tie], "--reference"] for tie in models}
+    one = {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied")}
     two = {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
            "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"]}
     for name, tie, nproc, flags, *_ in EQUIVALENT:
         (one if nproc == 1 else two)[name] = [*model[tie], *flags]
+    for name, moe, nproc, flags in MOE_RUNS:
+        (one if nproc == 1 else two)[name] = [*model[moe], *flags]
     for name, ac_flags, flags in AC_EQUAL_TO_NONE:
         two[baseline(flags)] = [*model["untied"], *flags]
         two[name] = [*model["untied"], *flags, *ac_flags]
@@ -230,6 +234,56 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
     kept = sum(t.numel() * t.element_size() for t in saved) / (batch * seq)
     shapes = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))))
     assert kept == ops_bytes_per_token(shapes, compiled=True, ac_mode=mode) == per_token
+
+
+# Mixture of experts (tiny Qwen3-MoE, 8 experts, top 2): (name, model, ranks, dist_worker flags). The
+# references are Hugging Face's model (its per-expert loop, its load_balancing_loss_func with padding
+# masked) on the same micro-batches of 2 samples (tests/dist_worker.py:moe_reference).
+MOE_RUNS = [
+    ("moe reference", "moe", 1, ["--reference", "--micro-batch", "2"]),
+    ("moe 1 rank, grad-acc 4", "moe", 1, ["--grad-accum", "4"]),
+    ("moe 2 ranks, grad-acc 2", "moe", 2, ["--grad-accum", "2"]),
+    ("moe packed rows", "moe", 2, ["--grad-accum", "2", "--packed"]),
+    ("moe blocks, ratio 1", "moe", 2, ["--grad-accum", "2", "--ac-ratio", "1"]),
+    ("moe ops_half, ratio 1", "moe", 2, ["--grad-accum", "2", "--ac-ratio", "1", "--ac-mode", "ops_half"]),
+    ("moe 1 expert reference", "moe, 1 expert", 1, ["--reference", "--micro-batch", "2"]),
+    ("moe 1 expert, 2 ranks", "moe, 1 expert", 2, ["--grad-accum", "2"]),
+]
+MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference", "moe 2 ranks, grad-acc 2"),
+                  ("moe reference", "moe packed rows"), ("moe 1 expert reference", "moe 1 expert, 2 ranks")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference, name", MOE_EQUIVALENT, ids=[row[1] for row in MOE_EQUIVALENT])
+def test_moe_equals_hf_reference(runs, reference, name):
+    """Loss, load-balancing loss, gradients and grad norm of FSDP2 with our grouped experts equal
+    Hugging Face's eager MoE: padding is not in the aux term, packed rows count each document's
+    tokens as padded rows do, and the aux term's gradient flows (the router's gradient has it)."""
+    ref, run = runs(reference), runs(name)
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert run["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
+    assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-7)
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
+    assert run["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_moe_aux_loss_is_layout_invariant(runs):
+    """(1 rank, grad-acc 4) and (2 ranks, grad-acc 2) on one global batch: the same aux loss and grad
+    norm (no factor of world size or of grad-accum steps)."""
+    one, two = runs("moe 1 rank, grad-acc 4"), runs("moe 2 ranks, grad-acc 2")
+    assert one["aux_loss"] > 0
+    assert two["aux_loss"] == pytest.approx(one["aux_loss"], rel=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moe blocks, ratio 1", "moe ops_half, ratio 1"])
+def test_moe_recompute_routes_as_forward(runs, name):
+    plain, ac = runs("moe 2 ranks, grad-acc 2"), runs(name)
+    assert ac["loss"] == plain["loss"] and ac["aux_loss"] == plain["aux_loss"]
+    for param in plain["grads"]:
+        assert torch.equal(ac["grads"][param], plain["grads"][param]), param
 
 
 @pytest.mark.slow

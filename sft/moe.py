@@ -1,0 +1,327 @@
+"""Mixture-of-Experts blocks: routing, dropless experts on grouped GEMMs, the load-balancing loss,
+expert-load statistics and the hub layout of expert weights.
+
+Supported: the transformers 5 sparse blocks with a softmax top-k router `gate` ([E, H] weight) and
+fused experts `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (Qwen3-MoE,
+Mixtral). Their forward is replaced (`apply_moe`) by one that
+
+* routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
+* sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows with
+  `grouped_mm` on the block's gathered weights (bf16 under fsdp.param_dtype=bfloat16, never the
+  float32 masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity,
+  no dropped token, and every shape depends only on the number of tokens, so a compiled block sees
+  one graph (dynamic in the token count) and no graph break. Where the kernel cannot run (float32
+  weights, e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the
+  experts with the same sorted rows (a host sync; excluded from compile);
+* adds the load-balancing loss's gradient without returning it (`_AddAuxLossGrad`), and leaves the
+  step's expert loads on the module for the metrics (read by `RouterLoss`).
+
+Activation checkpointing must not re-route: the top-k op's outputs are saved by the selective
+checkpoint policy (`ROUTING_OPS`, sft/parallel.py), so recomputation reuses the forward's choice.
+
+The load-balancing loss (Switch Transformer, as transformers computes it for these models) of one
+layer over a set of tokens is  E * sum_e f_e * P_e,  f_e = (top-k slots routed to e) / tokens and
+P_e = mean router probability of e; f carries no gradient. Here the set is each micro-batch's *real*
+tokens (padding excluded, documents of a packed row included: a packed row and the same documents
+padded give the same statistics), the layers are averaged, and each micro-batch's value is weighted
+by its share of the step's real tokens, counted over all ranks before the first forward:
+
+    aux = coef * (1/L) * sum_layers sum_micro-batches (T_mb / T_step) * E * sum_e f_e P_e
+
+So the total is invariant to how the same micro-batches fall on ranks and grad-accum steps (FSDP
+sums gradients; no factor of world size), and equals transformers' own term for one micro-batch and
+one MoE layer. transformers pools f and P over all layers before the product (expert e of layer 1
+and of layer 2 share a statistic); we balance each layer, as Switch, Megatron and TorchTitan do.
+Balancing over the whole global batch (the Qwen3 authors' recommendation) would need every
+micro-batch's counts before the first backward: a second forward, not done.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.placement_types import Shard
+
+from sft.config import MoEConfig, UserError
+
+class MoEError(UserError):
+    """A mixture-of-experts model that cannot be trained as it is; the message names the fix."""
+
+
+# The op whose outputs are the routing decision: saved, never recomputed, under checkpointing.
+ROUTING_OPS = frozenset((torch.ops.aten.topk.default,))
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE modules of `model` (empty for a dense model); one clear error for expert
+    layouts this module does not handle."""
+    blocks = []
+    for name, module in model.named_modules():
+        experts = getattr(module, "experts", None)
+        if not isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter):
+            continue
+        unsupported = [what for what, flag in (("transposed", getattr(experts, "is_transposed", False)),
+                                               ("biased", getattr(experts, "has_bias", False)),
+                                               ("interleaved gate/up", not getattr(experts, "is_concatenated", True)))
+                       if flag]
+        if unsupported or not isinstance(getattr(getattr(module, "gate", None), "weight", None), nn.Parameter):
+            raise MoEError(f"{type(model).__name__}: {name} has {' '.join(unsupported) or 'unrecognised'} experts "
+                             "(gpt-oss layout); only Qwen3-MoE/Mixtral-style experts (fused gate_up_proj [E, 2I, H], "
+                             "router `gate`) are supported so far")
+        blocks.append(module)
+    return blocks
+
+
+def _routing(block: nn.Module, x: torch.Tensor, fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router probabilities [T, E] float32, top-k weights [T, K], top-k expert ids [T, K])."""
+    weight = block.gate.weight
+    logits = F.linear(x.float(), weight.float()) if fp32 else F.linear(x, weight)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    top_w, top_i = probs.topk(block._sft_top_k, dim=-1)
+    if block._sft_norm_topk:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return probs, top_w.to(x.dtype), top_i
+
+
+def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the grouped GEMM kernel takes these operands: bf16 (float32 runs a slow fallback on
+    GPUs and is not compilable on CPU) and 16-byte aligned rows of input and output."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] * 2 % 16 == 0
+            and weight.shape[-2] * 2 % 16 == 0)
+
+
+@torch.compiler.disable  # data-dependent slicing: runs eagerly (a graph break) rather than recompiling
+def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [ends[e-1], ends[e]) of x times weight[e].T, expert by expert (the fallback)."""
+    out, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        out.append(x[start:end] @ weight[e].T)
+        start = end
+    return torch.cat(out)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] sorted by expert, weight [E, out, in], ends[e] = end row of expert e (int32)."""
+    if _grouped_mm_runs(x, weight):
+        grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
+        return grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    return _per_expert_linear(x, weight, ends)
+
+
+def expert_outputs(experts: nn.Module, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+    """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless."""
+    tokens, k = top_i.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    flat = top_i.reshape(-1)
+    # Stable sort: within an expert, rows keep token order, so results do not depend on the sort.
+    sorted_ids, order = flat.sort(stable=True)
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, num_experts + 1, device=flat.device,
+                                                       dtype=sorted_ids.dtype)).to(torch.int32)
+    rows = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)[order]
+    gate, up = grouped_linear(rows, experts.gate_up_proj, ends).chunk(2, dim=-1)
+    out_sorted = grouped_linear(experts.act_fn(gate) * up, experts.down_proj, ends)
+    # Back to (token, slot) order with a permutation (no atomics), then a sum over the k slots.
+    out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
+    return (out.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on the block output whose backward also gives `aux` the gradient 1: the
+    load-balancing term joins the loss without leaving the (compiled, checkpointed) block."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_dtype = aux.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output, torch.ones((), dtype=ctx.aux_dtype, device=grad_output.device)
+
+
+def _sparse_moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    shape = hidden_states.shape
+    x = hidden_states.reshape(-1, shape[-1])
+    probs, top_w, top_i = _routing(self, x, self._sft_router_fp32)
+    out = expert_outputs(self.experts, x, top_w, top_i)
+    real = self._sft_real_tokens  # float [T]: 1 real token, 0 padding (set per micro-batch by RouterLoss)
+    if real is not None and torch.is_grad_enabled():
+        num_experts = probs.shape[-1]
+        tokens = real.sum().clamp(min=1)
+        load = torch.zeros(num_experts, dtype=torch.float32, device=x.device).scatter_add_(
+            0, top_i.reshape(-1), real.repeat_interleave(top_i.shape[1]))
+        prob_sum = (probs * real.unsqueeze(-1)).sum(dim=0)
+        # (T_mb / T_step) * coef/L * E * sum_e (load_e / T_mb) * (prob_sum_e / T_mb); scale = coef/(L * T_step)
+        aux = self._sft_aux_scale * num_experts * (load * prob_sum).sum() / tokens
+        out = _AddAuxLossGrad.apply(out, aux)
+        # For the metrics; under compile with checkpointing this side effect is not replayed in
+        # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
+        self._sft_stats = torch.cat([aux.detach().view(1), load])
+    return out.reshape(shape)
+
+
+def apply_moe(model: nn.Module, cfg: MoEConfig) -> RouterLoss | None:
+    """Give the MoE blocks of a (meta-device) model our forward, and the router its switches;
+    returns the model's RouterLoss (also `model.sft_router_loss`), None for a dense model."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    config = model.config.get_text_config()
+    if getattr(config, "router_jitter_noise", 0):
+        raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
+                         "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
+    for block in blocks:
+        block._sft_top_k = config.num_experts_per_tok
+        block._sft_norm_topk = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
+        block._sft_router_fp32 = cfg.router_fp32
+        block._sft_real_tokens = None
+        block._sft_stats = None
+        block.forward = types.MethodType(_sparse_moe_forward, block)
+        block.gate.weight.requires_grad_(cfg.train_router)
+    # The block's statistics for the metrics are a forward side effect; compiled checkpointed blocks
+    # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    coef = cfg.aux_loss_coef if cfg.aux_loss_coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
+    model.sft_router_loss = RouterLoss(blocks, coef)
+    return model.sft_router_loss
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters one token's forward uses: all, less the experts it is not routed to (= all for a
+    dense model). The MFU numerator counts these (6 x active parameters per token)."""
+    total = sum(p.numel() for p in model.parameters())
+    config = model.config.get_text_config()
+    for block in moe_blocks(model):
+        experts = block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
+        total -= experts * (1 - config.num_experts_per_tok / block.experts.gate_up_proj.shape[0])
+    return int(total)
+
+
+def expert_placement(shard_ranks: int):
+    """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when there are at least
+    as many experts as ranks, else on their output rows (Shard(1)), so no rank holds an empty shard."""
+    def placement(param: nn.Parameter) -> Shard | None:
+        if param.dim() == 3 and param.shape[0] < shard_ranks:
+            return Shard(1)
+        return None  # FSDP's default, Shard(0)
+    return placement
+
+
+class RouterLoss:
+    """Feeds the blocks what the load-balancing loss needs and gathers what they measured.
+
+    Per step: `begin_step(global real tokens)`; per micro-batch `begin_micro_batch(real-token
+    mask)` before its forward and `end_micro_batch()` after it (before its backward); the metrics
+    read `step_summary` once the step is done."""
+
+    def __init__(self, blocks: list[nn.Module], coef: float):
+        self.blocks, self.coef = blocks, coef
+        self.num_experts = blocks[0].experts.gate_up_proj.shape[0]
+        self._scale: torch.Tensor | None = None
+        self._stats: torch.Tensor | None = None  # [layers, 1 + E]: aux term, expert loads
+
+    def begin_step(self, real_tokens: torch.Tensor) -> None:
+        self._scale = self.coef / (len(self.blocks) * real_tokens.float().clamp(min=1))
+        self._stats = None
+
+    def begin_micro_batch(self, real: torch.Tensor) -> None:
+        mask = real.reshape(-1).float()
+        for block in self.blocks:
+            block._sft_real_tokens, block._sft_aux_scale = mask, self._scale
+
+    def end_micro_batch(self) -> None:
+        # The mask stays on the blocks: a checkpointed block's recomputation in backward needs it too.
+        stats = torch.stack([block._sft_stats for block in self.blocks])
+        self._stats = stats if self._stats is None else self._stats + stats
+
+    def step_stats(self) -> torch.Tensor:
+        """This rank's [layers, 1 + E] sums over the step (to be all-reduced by the caller)."""
+        return self._stats
+
+    @staticmethod
+    def summary(stats: torch.Tensor) -> dict:
+        """metrics.jsonl fields from the global [layers, 1 + E] sums: the aux loss and, per layer,
+        the expert load's coefficient of variation, max/mean and number of experts that got no token."""
+        aux, load = stats[:, 0], stats[:, 1:].double()
+        mean = load.mean(dim=1)
+        return {"aux_loss": aux.sum().item(),
+                "expert_load_cv": (load.std(dim=1, unbiased=False) / mean).tolist(),
+                "expert_load_max_over_mean": (load.max(dim=1).values / mean).tolist(),
+                "dead_experts": (load == 0).sum(dim=1).tolist()}
+
+
+# ---- the hub layout: per-expert tensors, as transformers 5 saves these models --------------------
+
+def hub_layout(model_type: str) -> dict | None:
+    """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
+    whose hub files hold one tensor per expert: (prefix rename, gate, up, down names)."""
+    return {"qwen3_moe": ("", "gate_proj", "up_proj", "down_proj"),
+            "qwen2_moe": ("", "gate_proj", "up_proj", "down_proj"),
+            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(model_type)
+
+
+def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
+    """Hub names of expert `expert`'s tensors behind fused parameter `name` (gate_up_proj: gate, up)."""
+    rename, gate, up, down = layout
+    prefix = name.rpartition(".experts.")[0]
+    if rename:
+        prefix = prefix.replace(".mlp", f".{rename}")
+    base = f"{prefix}.experts.{expert}"
+    return (f"{base}.{gate}.weight", f"{base}.{up}.weight") if name.endswith("gate_up_proj") else (f"{base}.{down}.weight",)
+
+
+def is_fused_expert(name: str) -> bool:
+    return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+
+
+def hub_name(model_type: str, name: str) -> str:
+    """The hub name of a non-expert parameter (Mixtral's router lives under block_sparse_moe)."""
+    layout = hub_layout(model_type)
+    if layout and layout[0] and ".mlp.gate." in name:
+        return name.replace(".mlp.gate.", f".{layout[0]}.gate.")
+    return name
+
+
+def hub_shapes(model_type: str, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The hub tensors that hold parameter `name` (of `shape`), with their shapes."""
+    layout = hub_layout(model_type)
+    if layout is None or not is_fused_expert(name):
+        return {hub_name(model_type, name): tuple(shape)}
+    experts, rows, cols = shape
+    out = {}
+    for e in range(experts):
+        names = _expert_names(layout, name, e)
+        out.update({hub: (rows // len(names), cols) for hub in names})
+    return out
+
+
+def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+    """Slice `index` of fused expert parameter `name` (full `shape`) assembled from the hub's
+    per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`)."""
+    layout = hub_layout(model_type)
+    experts, rows, cols = index
+    parts = []
+    for e in range(experts.start, experts.stop):
+        names = _expert_names(layout, name, e)
+        per = shape[1] // len(names)  # gate_up_proj: rows [0, I) are the gate's, [I, 2I) the up projection's
+        pieces = [read(hub, (slice(max(rows.start, i * per) - i * per, min(rows.stop, (i + 1) * per) - i * per), cols))
+                  for i, hub in enumerate(names) if max(rows.start, i * per) < min(rows.stop, (i + 1) * per)]
+        parts.append(torch.cat(pieces))
+    return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
+
+
+def to_hub_tensors(model_type: str, named: list[tuple[str, torch.Tensor]]):
+    """The (name, tensor) pairs as the hub stores them: fused experts split per expert."""
+    layout = hub_layout(model_type)
+    for name, tensor in named:
+        if layout is None or not is_fused_expert(name):
+            yield hub_name(model_type, name), tensor
+            continue
+        for e in range(tensor.shape[0]):
+            names = _expert_names(layout, name, e)
+            for hub, part in zip(names, tensor[e].chunk(len(names))):
+                yield hub, part.contiguous()
