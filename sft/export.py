@@ -23,6 +23,7 @@ from sft.checkpoint import CheckpointError, checkpoint_problem, content_problem
 from sft.config import DTYPES, ModelConfig, run_command
 from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
+from sft.moe import to_hub_tensors
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -50,7 +51,8 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}
     with atomic.directory(out_dir) as tmp:
-        write_safetensors(_tensors(checkpoint, shapes, DTYPES[dtype]), tmp)
+        # MoE: fused expert tensors are written per expert, as transformers saves them (sft/moe.py).
+        write_safetensors(to_hub_tensors(model.config.model_type, _tensors(checkpoint, shapes, DTYPES[dtype])), tmp)
         model.config.dtype = dtype
         model.config.use_cache = True  # for inference
         model.config.save_pretrained(tmp)

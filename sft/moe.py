@@ -39,6 +39,7 @@ micro-batch's counts before the first backward: a second forward, not done.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -314,7 +315,7 @@ def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...], i
     return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
 
 
-def to_hub_tensors(model_type: str, named: list[tuple[str, torch.Tensor]]):
+def to_hub_tensors(model_type: str, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs as the hub stores them: fused experts split per expert."""
     layout = hub_layout(model_type)
     for name, tensor in named:

@@ -1,0 +1,152 @@
+"""Mixture of experts (sft/moe.py) on a tiny Qwen3-MoE: the grouped GEMM against the per-expert loop,
+routing kept under checkpoint recomputation, the hub layout of expert weights both ways, and the MoE
+demo end to end (learns, resumes exactly, exports what transformers reloads). The 2-rank comparisons
+with Hugging Face's eager MoE are rows of tests/test_distributed.py (MOE_RUNS)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import DEMO_MOE_MODEL, REPO, moe_model_dir, run_torchrun
+from sft.config import ACConfig, MoEConfig, ModelConfig
+from sft.metrics import read_metrics
+from sft.model import SafetensorsWeights, build_meta_model, decoder_blocks
+from sft.moe import _per_expert_linear, apply_moe, expert_outputs, grouped_linear
+from sft.parallel import apply_ac
+
+
+def _hf_model(path=DEMO_MOE_MODEL, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+
+
+def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
+    """The bf16 grouped GEMM (what GPUs run) and the fallback loop agree, forward and backward, also
+    with an expert that gets no token; float32 operands take the loop."""
+    torch.manual_seed(0)
+    rows, hidden, out, experts = 40, 64, 48, 4
+    ends = torch.tensor([10, 10, 25, 40], dtype=torch.int32)  # expert 1 gets no row
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(experts, out, hidden, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(rows, out, dtype=torch.bfloat16)
+    results = []
+    for linear in (grouped_linear, _per_expert_linear):
+        x.grad = w.grad = None
+        y = linear(x, w, ends)
+        y.backward(grad)
+        results.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert results[0][2][1].abs().max() == 0  # the idle expert's gradient
+    assert torch.equal(grouped_linear(x.float(), w.float(), ends), _per_expert_linear(x.float(), w.float(), ends))
+
+
+def test_experts_dispatch_and_combine_equal_hf_eager():
+    """Sorting tokens by expert, the grouped experts and the weighted combine give HF's per-expert loop."""
+    model = _hf_model()
+    block = model.model.layers[0].mlp
+    x = torch.randn(24, model.config.hidden_size)
+    _, top_w, top_i = block.gate(x)
+    expected = block.experts(x, top_i, top_w)  # HF's eager loop
+    torch.testing.assert_close(expert_outputs(block.experts, x, top_w, top_i), expected, rtol=1e-5, atol=1e-6)
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half"])
+def test_checkpoint_recomputation_does_not_route_again(mode):
+    """With every block checkpointed, backward recomputes the blocks but never the top-k: the
+    routing decision is saved (the 2-rank rows check the gradients are bitwise those without AC)."""
+    model = _hf_model()
+    router = apply_moe(model, MoEConfig())
+    apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode))
+    ids = torch.randint(0, 800, (2, 16))
+    router.begin_step(torch.tensor(32.0))
+    router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
+    with _Calls() as calls:
+        loss = model(input_ids=ids, labels=ids).loss
+        forward = Counter(calls.counts)
+        loss.backward()
+    backward = calls.counts - forward
+    assert forward["topk"] == 4
+    assert backward["topk"] == 0
+    assert backward["mm"] > 0  # something was recomputed (whole blocks) or differentiated
+
+
+def test_expert_weights_load_from_the_hub_layout(tmp_path):
+    """A checkpoint saved by transformers (one tensor per expert) is read into the fused parameters,
+    any slice of experts and rows (what a rank's shard asks for), with the shapes checked first."""
+    model = _hf_model()
+    directory = moe_model_dir(tmp_path)
+    model.save_pretrained(directory)
+    with safe_open(directory / "model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
+    meta = build_meta_model(ModelConfig(name_or_path=str(directory)))
+    weights = SafetensorsWeights(str(directory), meta)
+    weights.check(meta)
+    fused = model.model.layers[1].mlp.experts
+    intermediate = model.config.moe_intermediate_size
+    for index in [(slice(0, 8), slice(0, 2 * intermediate), slice(0, 128)),
+                  (slice(2, 5), slice(intermediate - 8, intermediate + 8), slice(0, 128)),  # across gate | up
+                  (slice(7, 8), slice(intermediate, 2 * intermediate), slice(16, 32))]:
+        read = weights.read("model.layers.1.mlp.experts.gate_up_proj", index, torch.device("cpu"))
+        assert torch.equal(read, fused.gate_up_proj.detach()[index])
+    down = (slice(1, 3), slice(0, 128), slice(0, intermediate))
+    assert torch.equal(weights.read("model.layers.1.mlp.experts.down_proj", down, torch.device("cpu")),
+                       fused.down_proj.detach()[down])
+
+
+@pytest.mark.slow
+def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
+    """train.py on configs/demo_moe.yaml, 2 ranks: the loss falls; metrics.jsonl has the aux loss and
+    each layer's expert load; a run resumed from step 3 repeats steps 4-6 exactly (loss, grad norm,
+    aux loss); the export has one tensor per expert and reloads in transformers to the checkpoint's
+    weights."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    def train(name: str, *overrides: str) -> None:
+        run_torchrun(["train.py", "--config", "configs/demo_moe.yaml", f"data.path={demo_data / 'train.jsonl'}",
+                      "data.eval_path=null", f"train.output_dir={tmp_path}", f"train.run_name={name}",
+                      f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=6", "eval.every_steps=0",
+                      *overrides], nproc=2)
+
+    train("whole", "checkpoint.every_steps=3", "checkpoint.export_hf=true")
+    train("resumed", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}")
+    whole, _ = read_metrics(tmp_path / "whole")
+    resumed, _ = read_metrics(tmp_path / "resumed")
+    assert whole[6]["loss"] < 0.9 * whole[1]["loss"]
+    assert len(whole[1]["expert_load_cv"]) == len(whole[1]["dead_experts"]) == 4 and whole[1]["aux_loss"] > 0
+    for step in (4, 5, 6):
+        for key in ("loss", "grad_norm", "aux_loss", "expert_load_cv"):
+            assert resumed[step][key] == whole[step][key], (step, key)
+
+    export = tmp_path / "whole" / "export"
+    keys = set(json.loads((export / "model.safetensors.index.json").read_text())["weight_map"])
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in keys
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
+    reloaded = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    trained = {name: torch.empty(t.shape) for name, t in reloaded.items() if name != "lm_head.weight"}  # tied
+    dcp.load({"model": trained}, checkpoint_id=tmp_path / "whole" / "checkpoints" / "step-6", no_dist=True)
+    for name, tensor in trained.items():
+        assert torch.equal(reloaded[name], tensor), name
