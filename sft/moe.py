@@ -56,14 +56,29 @@ class MoEError(UserError):
 ROUTING_OPS = frozenset((torch.ops.aten.topk.default,))
 
 
+def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module holding fused experts (`experts.gate_up_proj`), any layout."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(getattr(getattr(module, "experts", None), "gate_up_proj", None), nn.Parameter)]
+
+
+def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """(experts per block, experts per token, expert intermediate size), None for a dense model;
+    any fused layout (the planner sizes models this module cannot train yet, e.g. gpt-oss)."""
+    sparse = _sparse_modules(model)
+    if not sparse:
+        return None
+    config = model.config.get_text_config()
+    gate_up = sparse[0][1].experts.gate_up_proj  # [E, 2I, H] or transposed [E, H, 2I]
+    return gate_up.shape[0], config.num_experts_per_tok, gate_up.numel() // (2 * gate_up.shape[0] * config.hidden_size)
+
+
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     """The sparse MoE modules of `model` (empty for a dense model); one clear error for expert
     layouts this module does not handle."""
     blocks = []
-    for name, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        if not isinstance(getattr(experts, "gate_up_proj", None), nn.Parameter):
-            continue
+    for name, module in _sparse_modules(model):
+        experts = module.experts
         unsupported = [what for what, flag in (("transposed", getattr(experts, "is_transposed", False)),
                                                ("biased", getattr(experts, "has_bias", False)),
                                                ("interleaved gate/up", not getattr(experts, "is_concatenated", True)))
@@ -136,7 +151,10 @@ class _AddAuxLossGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_dtype = aux.dtype
-        return output
+        # A copy, not `output` itself: compiled after a graph break (the per-expert fallback), an
+        # output that is an input of the graph is rebuilt outside it and the aux gradient was lost
+        # (torch 2.13, tests/test_moe.py). Compiled, the copy fuses with the residual sum after it.
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -196,9 +214,9 @@ def active_parameters(model: nn.Module) -> int:
     dense model). The MFU numerator counts these (6 x active parameters per token)."""
     total = sum(p.numel() for p in model.parameters())
     config = model.config.get_text_config()
-    for block in moe_blocks(model):
-        experts = block.experts.gate_up_proj.numel() + block.experts.down_proj.numel()
-        total -= experts * (1 - config.num_experts_per_tok / block.experts.gate_up_proj.shape[0])
+    for _, module in _sparse_modules(model):
+        experts = sum(p.numel() for p in module.experts.parameters())  # weights (and gpt-oss's biases)
+        total -= experts * (1 - config.num_experts_per_tok / module.experts.gate_up_proj.shape[0])
     return int(total)
 
 

@@ -15,6 +15,9 @@ The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager 
 tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
 graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
 the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
+Mixture-of-experts blocks count as a dense block of the width a token runs through (top-k experts'
+intermediate sizes) plus the dispatch and router buffers (moe_bytes_per_token); their gathered
+weights are all experts' (FSDP gathers whole blocks). Not yet checked against measured MoE peaks.
 With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half (ops_bytes_per_token;
@@ -47,6 +50,7 @@ from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
 from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config, run_command
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import ModelError, build_meta_model, decoder_blocks
+from sft.moe import active_parameters, expert_shape
 from sft.parallel import ac_block_indices
 
 GIB = 2**30
@@ -76,6 +80,11 @@ class Shapes:
     heads: int
     vocab: int
     param_shapes: tuple[tuple[int, ...], ...]  # each parameter once (a tied one once)
+    # Mixture of experts (0 for dense models): experts per block, experts per token; `ffn` is then
+    # the FFN width a token runs through (top_k x the expert's intermediate size).
+    experts: int = 0
+    top_k: int = 0
+    active_params: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> Shapes:
@@ -83,10 +92,21 @@ class Shapes:
         params = sum(p.numel() for p in model.parameters())
         block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
+        ffn = top_k * expert_ffn if experts else text.intermediate_size
         return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
-                   text.hidden_size, text.intermediate_size, text.num_key_value_heads * head_dim,
+                   text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
-                   tuple(tuple(p.shape) for p in model.parameters()))
+                   tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model))
+
+
+def moe_bytes_per_token(s: Shapes) -> int:
+    """What an MoE block keeps per token beyond a dense block of width `ffn` (an estimate, not yet
+    fitted on measured peaks): the k dispatched copies of the token (bf16 rows in expert order), the
+    experts' outputs in both orders, and the router's float32 input, logits and probabilities."""
+    if not s.experts:
+        return 0
+    return 2 * 3 * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
 
 
 def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
@@ -122,6 +142,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
+    per_token_layer += moe_bytes_per_token(s)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     kept = 2 * s.hidden if ac_mode == "blocks" else ops_bytes_per_token(s, compiled, ac_mode)
     activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
@@ -295,7 +316,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     """The planner's report, and whether any setting fits (GPU and, with offload, host)."""
     model, shapes_note = planning_model(cfg.model)
     s = Shapes.of(model)
-    lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters, {s.layers} blocks, {m.gpus} GPUs "
+    active = f" ({s.active_params / 1e9:.2f}B active: {s.top_k} of {s.experts} experts per token)" if s.experts else ""
+    lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters{active}, {s.layers} blocks, {m.gpus} GPUs "
              f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
