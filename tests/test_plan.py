@@ -298,3 +298,25 @@ def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes(at_repo, c
     assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in out
     # 72.71B x 12 bytes; keep_last 2 committed + the one being written
     assert "checkpoints: 812.6 GiB each (fp32 weights and Adam moments), up to 3 at once" in out
+
+
+# Mixture of experts: (shipped shapes, total and active parameters in billions as the model cards give
+# them: Qwen3-30B-A3B 30.5B / 3.3B, Mixtral-8x7B 46.7B / 12.9B; gpt-oss-20b's card counts 3.6B active
+# without the embeddings, we count them as every dense model's MFU does).
+MOE_SHAPES = [("qwen3-30b-a3b", 30.53, 3.35, 128, 8), ("mixtral-8x7b-v0.1", 46.70, 12.88, 8, 2),
+              ("gpt-oss-20b", 20.91, 4.19, 32, 4)]
+
+
+@pytest.mark.parametrize("name, total, active, experts, top_k", MOE_SHAPES, ids=[row[0] for row in MOE_SHAPES])
+def test_moe_shapes_count_total_and_active_parameters(name, total, active, experts, top_k):
+    # attention eager: gpt-oss (attention sinks) has no sdpa path in transformers
+    s = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "models" / name),
+                                               attn_implementation="eager")))
+    assert (round(s.params / 1e9, 2), round(s.active_params / 1e9, 2), s.experts, s.top_k) == (total, active, experts, top_k)
+
+
+def test_moe_plan_of_the_issue_works_offline(at_repo, capsys):
+    status, out = plan_cli(capsys, "--config", "configs/qwen3_30b_a3b.yaml", "--gpus", "8", "--gpu-mem", "80")
+    assert status == 0
+    assert "30.53B parameters (3.35B active: 8 of 128 experts per token), 48 blocks" in out
+    assert "suggested: ac.ratio=1 ac.mode=blocks train.micro_batch_size=2" in out
