@@ -36,6 +36,11 @@
 #             as far apart as in a real run
 #   twonode   slurm/train.slurm under fake srun/scontrol/getent: 2 "nodes" x 2 GPUs on this host, HSDP
 #             (fsdp.replicate_degree=2), losses against the 4-GPU FSDP run
+#   moe30b    issue #26, meant for 2 GPUs: Qwen3-30B-A3B widths with MOE_BLOCKS (default 10) of its 48 blocks
+#             (fp32 master weights; 10 blocks are predicted at ~61 GiB per GPU on 2 GPUs), 2 rows x 4096 random
+#             tokens per GPU, real routing; ac 0 and ac 1 with the planner's prediction each, then the peer
+#             (scripts/trl_moe_bench.py: TRL + transformers 5, bf16 weights) on the same shapes, full AC and
+#             none (PEER_AC="full none"), in the same call. ONLY=regex picks our runs. Needs the TRL wheels in .whl/
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -380,6 +385,29 @@ print(f"2 nodes x 2 GPUs HSDP vs 4 GPUs FSDP, {len(b)} steps: largest relative l
       f"final {a[max(a)]['loss']:.4f} vs {b[max(b)]['loss']:.4f}")
 PY
       ;;
+    moe30b)  # our runs and the peer's on one checkpoint's shapes (the peer needs the weights on disk)
+      p7b_data
+      blocks=${MOE_BLOCKS:-10} moe=/tmp/qwen3-30b-a3b-${MOE_BLOCKS:-10}blocks
+      mkdir -p "$moe"
+      python3 -c "import json, sys; c = json.load(open('configs/models/qwen3-30b-a3b/config.json'))
+c.update(num_hidden_layers=int(sys.argv[2]), max_window_layers=int(sys.argv[2])); json.dump(c, open(sys.argv[1] + '/config.json', 'w'), indent=2)" \
+        "$moe" "$blocks"
+      ac_runs moe30b <<RUNS
+moe30b-${blocks}b-ac0 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0
+moe30b-${blocks}b-ac1 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=1
+RUNS
+      for run in runs/bench/moe30b-*; do  # the last step's MoE metrics: real routing is unbalanced
+        tail -1 "$run/metrics.jsonl" | python3 -c "import json, sys; e = json.loads(sys.stdin.read())
+print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [round(x, 2) for x in e['expert_load_max_over_mean']])" "$run"
+      done
+      [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"
+      for ac in ${PEER_AC:-full none}; do
+        timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" scripts/trl_moe_bench.py train \
+          --model "$moe-hf" --ac "$ac" --steps "$STEPS" >"$LOGS/trl-moe30b-ac-$ac.log" 2>&1
+        echo "trl-moe30b-ac-$ac: exit $?"
+        if grep -q RESULT "$LOGS/trl-moe30b-ac-$ac.log"; then grep RESULT "$LOGS/trl-moe30b-ac-$ac.log" | tee -a runs/bench/moe30b.md
+        else grep -iE "error|out of memory" "$LOGS/trl-moe30b-ac-$ac.log" | tail -3; fi
+      done ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;
