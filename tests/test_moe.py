@@ -176,3 +176,17 @@ def test_compiled_block_keeps_the_load_balancing_gradient(dtype):
     assert aux_eager.norm() > 0.1 * router_grads[0.0, False].norm()
     # a difference of two gradients: in bf16 each carries its own rounding, so compare norms
     assert (aux_compiled - aux_eager).norm() < (0.05 if dtype == torch.bfloat16 else 1e-4) * aux_eager.norm()
+
+
+def test_gpt_oss_experts_are_refused_with_one_line(tmp_path):
+    """gpt-oss's experts (transposed, interleaved gate/up, biases) are not trained yet: apply_moe says so
+    before anything is sharded or loaded."""
+    from transformers import GptOssConfig
+
+    from sft.moe import MoEError
+
+    GptOssConfig(vocab_size=899, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    model = build_meta_model(ModelConfig(name_or_path=str(tmp_path), attn_implementation="eager"))
+    with pytest.raises(MoEError, match="model.layers.0.mlp has transposed biased interleaved gate/up experts"):
+        apply_moe(model, MoEConfig())
