@@ -138,6 +138,9 @@ class SafetensorsWeights:
         for file in sorted(set(self.weight_map.values())):  # headers only
             with safe_open(self.root / file, framework="pt") as f:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        quantized = moe.quantized_experts_problem(self.source, shapes)
+        if quantized:
+            raise ModelError(quantized)
         expected = {}
         for name, shape in self.shapes.items():
             expected.update({name: shape} if name in shapes else moe.hub_shapes(self.model_type, name, shape))

@@ -1,9 +1,11 @@
 """Mixture-of-Experts blocks: routing, dropless experts on grouped GEMMs, the load-balancing loss,
 expert-load statistics and the hub layout of expert weights.
 
-Supported: the transformers 5 sparse blocks with a softmax top-k router `gate` ([E, H] weight) and
-fused experts `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] (Qwen3-MoE,
-Mixtral). Their forward is replaced (`apply_moe`) by one that
+Supported: the transformers 5 sparse blocks of Qwen3-MoE and Mixtral (softmax top-k router `gate`,
+fused experts `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) and gpt-oss (router
+`router` with a bias and a softmax over the top-k logits; experts transposed [E, H, 2I] / [E, I, H],
+gate/up interleaved, biases, a clamped SwiGLU): `LAYOUTS`. Their forward is replaced (`apply_moe`)
+by one that
 
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
 * sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows with
@@ -39,6 +41,7 @@ micro-batch's counts before the first backward: a second forward, not done.
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -64,7 +67,7 @@ def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
     """(experts per block, experts per token, expert intermediate size), None for a dense model;
-    any fused layout (the planner sizes models this module cannot train yet, e.g. gpt-oss)."""
+    any fused layout (the planner also sizes architectures apply_moe does not train)."""
     sparse = _sparse_modules(model)
     if not sparse:
         return None
@@ -73,61 +76,88 @@ def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
     return gate_up.shape[0], config.num_experts_per_tok, gate_up.numel() // (2 * gate_up.shape[0] * config.hidden_size)
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How an architecture's sparse block stores and uses its experts."""
+    router: str                # the router's attribute on the block
+    transposed: bool = False   # expert weights [E, in, out] instead of [E, out, in]
+    interleaved: bool = False  # gate/up alternate along gate_up_proj's output instead of [gate; up]
+    biased: bool = False       # experts and router have biases
+    softmax_of_top_k: bool = False  # softmax over the k largest logits, not top-k of the softmax
+    returns_scores: bool = False    # the block returns (hidden states, router scores)
+
+
+LAYOUTS = {
+    "qwen3_moe": ExpertLayout(router="gate"),
+    "mixtral": ExpertLayout(router="gate"),
+    "gpt_oss": ExpertLayout(router="router", transposed=True, interleaved=True, biased=True, softmax_of_top_k=True,
+                            returns_scores=True),
+}
+
+
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse MoE modules of `model` (empty for a dense model); one clear error for expert
-    layouts this module does not handle."""
-    blocks = []
-    for name, module in _sparse_modules(model):
-        experts = module.experts
-        unsupported = [what for what, flag in (("transposed", getattr(experts, "is_transposed", False)),
-                                               ("biased", getattr(experts, "has_bias", False)),
-                                               ("interleaved gate/up", not getattr(experts, "is_concatenated", True)))
-                       if flag]
-        if unsupported or not isinstance(getattr(getattr(module, "gate", None), "weight", None), nn.Parameter):
-            raise MoEError(f"{type(model).__name__}: {name} has {' '.join(unsupported) or 'unrecognised'} experts "
-                             "(gpt-oss layout); only Qwen3-MoE/Mixtral-style experts (fused gate_up_proj [E, 2I, H], "
-                             "router `gate`) are supported so far")
-        blocks.append(module)
-    return blocks
+    """The sparse MoE modules of `model` (empty for a dense model); one clear error for an
+    architecture whose experts this module does not know (e.g. shared experts: Qwen2-MoE)."""
+    sparse = _sparse_modules(model)
+    model_type = model.config.get_text_config().model_type
+    if sparse and model_type not in LAYOUTS:
+        raise MoEError(f"{type(model).__name__} (model_type {model_type}): mixture-of-experts blocks of this "
+                       f"architecture are not supported; supported: {', '.join(sorted(LAYOUTS))}")
+    return [module for _, module in sparse]
 
 
 def _routing(block: nn.Module, x: torch.Tensor, fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(router probabilities [T, E] float32, top-k weights [T, K], top-k expert ids [T, K])."""
-    weight = block.gate.weight
-    logits = F.linear(x.float(), weight.float()) if fp32 else F.linear(x, weight)
-    probs = logits.softmax(dim=-1, dtype=torch.float32)
-    top_w, top_i = probs.topk(block._sft_top_k, dim=-1)
-    if block._sft_norm_topk:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    layout, router = block._sft_layout, getattr(block, block._sft_layout.router)
+    bias = router.bias if layout.biased else None
+    logits = F.linear(x.float(), router.weight.float(), None if bias is None else bias.float()) if fp32 else \
+        F.linear(x, router.weight, bias)
+    probs = logits.softmax(dim=-1, dtype=torch.float32)  # what the load-balancing loss averages
+    if layout.softmax_of_top_k:  # gpt-oss
+        top_logits, top_i = logits.topk(block._sft_top_k, dim=-1)
+        top_w = top_logits.softmax(dim=-1, dtype=torch.float32)
+    else:
+        top_w, top_i = probs.topk(block._sft_top_k, dim=-1)
+        if block._sft_norm_topk:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     return probs, top_w.to(x.dtype), top_i
 
 
-def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> bool:
     """Whether the grouped GEMM kernel takes these operands: bf16 (float32 runs a slow fallback on
     GPUs and is not compilable on CPU) and 16-byte aligned rows of input and output."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] * 2 % 16 == 0
-            and weight.shape[-2] * 2 % 16 == 0)
+    return x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] * 2 % 16 == 0 and out_features * 2 % 16 == 0
 
 
 @torch.compiler.disable  # data-dependent slicing: runs eagerly (a graph break) rather than recompiling
 def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """rows [ends[e-1], ends[e]) of x times weight[e].T, expert by expert (the fallback)."""
+    """rows [ends[e-1], ends[e]) of x times weight[e] ([in, out]), expert by expert (the fallback)."""
     out, start = [], 0
     for e, end in enumerate(ends.tolist()):
-        out.append(x[start:end] @ weight[e].T)
+        out.append(x[start:end] @ weight[e])
         start = end
     return torch.cat(out)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] sorted by expert, weight [E, out, in], ends[e] = end row of expert e (int32)."""
-    if _grouped_mm_runs(x, weight):
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """x [rows, in] sorted by expert times weight [E, out, in] (transposed: [E, in, out]);
+    ends[e] = end row of expert e (int32)."""
+    weight = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]: a view
+    if _grouped_mm_runs(x, weight, weight.shape[-1]):
         grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
-        return grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+        return grouped_mm(x, weight, offs=ends)
     return _per_expert_linear(x, weight, ends)
 
 
-def expert_outputs(experts: nn.Module, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+def _gpt_oss_glu(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on interleaved gate/up columns (its experts' own formula)."""
+    limit = experts.limit
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * getattr(experts, "alpha", 1.702))
+
+
+def expert_outputs(experts: nn.Module, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                   layout: ExpertLayout = LAYOUTS["qwen3_moe"]) -> torch.Tensor:
     """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless."""
     tokens, k = top_i.shape
     num_experts = experts.gate_up_proj.shape[0]
@@ -137,8 +167,17 @@ def expert_outputs(experts: nn.Module, x: torch.Tensor, top_w: torch.Tensor, top
     ends = torch.searchsorted(sorted_ids, torch.arange(1, num_experts + 1, device=flat.device,
                                                        dtype=sorted_ids.dtype)).to(torch.int32)
     rows = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)[order]
-    gate, up = grouped_linear(rows, experts.gate_up_proj, ends).chunk(2, dim=-1)
-    out_sorted = grouped_linear(experts.act_fn(gate) * up, experts.down_proj, ends)
+    gate_up = grouped_linear(rows, experts.gate_up_proj, ends, layout.transposed)
+    if layout.biased:
+        gate_up = gate_up + experts.gate_up_proj_bias[sorted_ids]
+    if layout.interleaved:
+        hidden = _gpt_oss_glu(experts, gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = experts.act_fn(gate) * up
+    out_sorted = grouped_linear(hidden, experts.down_proj, ends, layout.transposed)
+    if layout.biased:
+        out_sorted = out_sorted + experts.down_proj_bias[sorted_ids]
     # Back to (token, slot) order with a permutation (no atomics), then a sum over the k slots.
     out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
     return (out.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
@@ -165,7 +204,7 @@ def _sparse_moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     probs, top_w, top_i = _routing(self, x, self._sft_router_fp32)
-    out = expert_outputs(self.experts, x, top_w, top_i)
+    out = expert_outputs(self.experts, x, top_w, top_i, self._sft_layout)
     real = self._sft_real_tokens  # float [T]: 1 real token, 0 padding (set per micro-batch by RouterLoss)
     if real is not None and torch.is_grad_enabled():
         num_experts = probs.shape[-1]
@@ -179,6 +218,8 @@ def _sparse_moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.T
         # For the metrics; under compile with checkpointing this side effect is not replayed in
         # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
         self._sft_stats = torch.cat([aux.detach().view(1), load])
+    if self._sft_layout.returns_scores:  # gpt-oss's decoder layer unpacks (hidden states, router scores)
+        return out.reshape(shape), top_w
     return out.reshape(shape)
 
 
@@ -193,13 +234,14 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> RouterLoss | None:
         raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
                          "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
     for block in blocks:
+        block._sft_layout = LAYOUTS[config.model_type]
         block._sft_top_k = config.num_experts_per_tok
         block._sft_norm_topk = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
         block._sft_router_fp32 = cfg.router_fp32
         block._sft_real_tokens = None
         block._sft_stats = None
         block.forward = types.MethodType(_sparse_moe_forward, block)
-        block.gate.weight.requires_grad_(cfg.train_router)
+        getattr(block, block._sft_layout.router).requires_grad_(cfg.train_router)
     # The block's statistics for the metrics are a forward side effect; compiled checkpointed blocks
     # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
@@ -235,11 +277,10 @@ class RouterLoss:
 
     Per step: `begin_step(global real tokens)`; per micro-batch `begin_micro_batch(real-token
     mask)` before its forward and `end_micro_batch()` after it (before its backward); the metrics
-    read `step_summary` once the step is done."""
+    all-reduce `step_stats()` once the step is done and log its `summary`."""
 
     def __init__(self, blocks: list[nn.Module], coef: float):
         self.blocks, self.coef = blocks, coef
-        self.num_experts = blocks[0].experts.gate_up_proj.shape[0]
         self._scale: torch.Tensor | None = None
         self._stats: torch.Tensor | None = None  # [layers, 1 + E]: aux term, expert loads
 
@@ -275,12 +316,11 @@ class RouterLoss:
 
 # ---- the hub layout: per-expert tensors, as transformers 5 saves these models --------------------
 
-def hub_layout(model_type: str) -> dict | None:
+def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
     """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
     whose hub files hold one tensor per expert: (prefix rename, gate, up, down names)."""
     return {"qwen3_moe": ("", "gate_proj", "up_proj", "down_proj"),
-            "qwen2_moe": ("", "gate_proj", "up_proj", "down_proj"),
-            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(model_type)
+            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(model_type)  # gpt-oss: fused, as loaded
 
 
 def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
@@ -331,6 +371,18 @@ def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...], i
                   for i, hub in enumerate(names) if max(rows.start, i * per) < min(rows.stop, (i + 1) * per)]
         parts.append(torch.cat(pieces))
     return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
+
+
+def quantized_experts_problem(source: str, names: Iterable[str]) -> str | None:
+    """One line for hub files whose experts are MXFP4 (gpt-oss as published: *_blocks/*_scales),
+    which train from bf16: how to dequantise them once."""
+    if not any(name.endswith((".experts.gate_up_proj_blocks", ".experts.down_proj_blocks")) for name in names):
+        return None
+    return (f"model.name_or_path={source!r} holds MXFP4-quantised experts (gpt-oss as published); training needs "
+            "them in bf16: dequantise once with transformers (python -c \"from transformers import "
+            "AutoModelForCausalLM, Mxfp4Config; AutoModelForCausalLM.from_pretrained('SOURCE', dtype='bfloat16', "
+            "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained('OUT')\") and set model.name_or_path "
+            "to OUT")
 
 
 def to_hub_tensors(model_type: str, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -72,6 +72,7 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--reference", action="store_true")
     p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
     p.add_argument("--packed", action="store_true", help="each micro-batch as one packed row")
+    p.add_argument("--attn", default="sdpa", help="model.attn_implementation (gpt-oss: eager)")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     return p.parse_args(flags)
 
@@ -94,7 +95,8 @@ def main() -> None:
 def run(args: argparse.Namespace, env) -> dict:
     torch.manual_seed(0)
     samples = synthetic_global_batch(args.global_batch)
-    model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random")
+    model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random",
+                            attn_implementation=args.attn)
     model = build_meta_model(model_cfg)
     buffers = real_buffers(model)
     result: dict = {}
@@ -179,8 +181,8 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
         # its CE without its aux term (which forward adds to the loss over all tokens, padding included)
         ce = ce + model.loss_function(out.logits, b["labels"], config.vocab_size) * int(
             (b["labels"][:, 1:] != -100).sum()) / supervised
-        layers = [load_balancing_loss_func((logits,), config.num_experts, config.num_experts_per_tok,
-                                           b["real_tokens"]) for logits in out.router_logits]
+        layers = [load_balancing_loss_func((logits,), logits.shape[-1], config.num_experts_per_tok, b["real_tokens"])
+                  for logits in out.router_logits]
         aux = aux + config.router_aux_loss_coef * sum(layers) / len(layers) * int(b["real_tokens"].sum()) / real
     (ce + aux).backward()
     return {"loss": ce.item(), "aux_loss": aux.item()}

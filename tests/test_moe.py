@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DEMO_MOE_MODEL, REPO, moe_model_dir, run_torchrun
+from helpers import DEMO_MOE_MODEL, REPO, gpt_oss_model_dir, moe_model_dir, run_torchrun
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.metrics import read_metrics
 from sft.model import SafetensorsWeights, build_meta_model, decoder_blocks
@@ -40,7 +40,7 @@ def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
     w = torch.randn(experts, out, hidden, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(rows, out, dtype=torch.bfloat16)
     results = []
-    for linear in (grouped_linear, _per_expert_linear):
+    for linear in (grouped_linear, lambda x, w, ends: _per_expert_linear(x, w.transpose(-2, -1), ends)):
         x.grad = w.grad = None
         y = linear(x, w, ends)
         y.backward(grad)
@@ -48,7 +48,8 @@ def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     assert results[0][2][1].abs().max() == 0  # the idle expert's gradient
-    assert torch.equal(grouped_linear(x.float(), w.float(), ends), _per_expert_linear(x.float(), w.float(), ends))
+    assert torch.equal(grouped_linear(x.float(), w.float(), ends),
+                       _per_expert_linear(x.float(), w.float().transpose(-2, -1), ends))
 
 
 def test_experts_dispatch_and_combine_equal_hf_eager():
@@ -178,15 +179,52 @@ def test_compiled_block_keeps_the_load_balancing_gradient(dtype):
     assert (aux_compiled - aux_eager).norm() < (0.05 if dtype == torch.bfloat16 else 1e-4) * aux_eager.norm()
 
 
-def test_gpt_oss_experts_are_refused_with_one_line(tmp_path):
-    """gpt-oss's experts (transposed, interleaved gate/up, biases) are not trained yet: apply_moe says so
-    before anything is sharded or loaded."""
-    from transformers import GptOssConfig
+def test_gpt_oss_experts_equal_hf_eager(tmp_path):
+    """gpt-oss (transposed experts, interleaved gate/up, biases, clamped SwiGLU, softmax over the top-k
+    logits): our block's logits and load-balancing term equal transformers' eager model."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    model = _hf_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
+    with torch.no_grad():  # non-zero biases, and gate/up values past the clamp
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj_bias.normal_()
+            layer.mlp.experts.down_proj_bias.normal_()
+            layer.mlp.experts.gate_up_proj.mul_(50)
+    ids = torch.randint(0, 800, (2, 16))
+    expected = model(input_ids=ids, output_router_logits=True)
+    router = apply_moe(model, MoEConfig())
+    router.begin_step(torch.tensor(32.0))
+    router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
+    logits = model(input_ids=ids).logits
+    router.end_micro_batch()
+    torch.testing.assert_close(logits, expected.logits, rtol=1e-5, atol=1e-5)
+    config = model.config
+    aux = config.router_aux_loss_coef * sum(load_balancing_loss_func((x,), 4, 2) for x in expected.router_logits) / 2
+    assert router.step_stats()[:, 0].sum().item() == pytest.approx(aux.item(), rel=1e-5)
+
+
+def test_mxfp4_experts_stop_with_the_fix(tmp_path):
+    from safetensors.torch import save_file
+
+    from sft.model import ModelError
+
+    directory = gpt_oss_model_dir(tmp_path)
+    meta = build_meta_model(ModelConfig(name_or_path=str(directory), attn_implementation="eager"))
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 128, 2, 16, dtype=torch.uint8)},
+              directory / "model.safetensors")
+    with pytest.raises(ModelError, match="MXFP4-quantised experts.*Mxfp4Config\\(dequantize=True\\)"):
+        SafetensorsWeights(str(directory), meta).check(meta)
+
+
+def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
+    """Qwen2-MoE's shared expert is not in our block: refused before anything is sharded or loaded."""
+    from transformers import Qwen2MoeConfig
 
     from sft.moe import MoEError
 
-    GptOssConfig(vocab_size=899, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
-    model = build_meta_model(ModelConfig(name_or_path=str(tmp_path), attn_implementation="eager"))
-    with pytest.raises(MoEError, match="model.layers.0.mlp has transposed biased interleaved gate/up experts"):
+    Qwen2MoeConfig(vocab_size=899, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                   shared_expert_intermediate_size=32).save_pretrained(tmp_path)
+    model = build_meta_model(ModelConfig(name_or_path=str(tmp_path)))
+    with pytest.raises(MoEError, match="model_type qwen2_moe.*supported: gpt_oss, mixtral, qwen3_moe"):
         apply_moe(model, MoEConfig())
