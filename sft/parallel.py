@@ -57,7 +57,8 @@ def _expensive_ops() -> tuple[frozenset, frozenset]:
     reduce-scatter are hooks around it), so none is listed (TorchTitan keeps tensor parallelism's)."""
     aten = torch.ops.aten
     matmuls = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default,
-                         aten._scaled_mm.default))  # the last: float8 matmuls (precision.float8)
+                         aten._scaled_mm.default,  # float8 matmuls (precision.float8)
+                         aten._grouped_mm.default))  # MoE experts (sft/moe.py)
     others = frozenset((
         # float8's amax of a tensor: a scalar, so keeping it is free and spares a full read of the
         # tensor to recompute the scale of its float8 cast.

@@ -85,6 +85,8 @@ def main() -> None:
     env = init_distributed()
     for name, flags in json.loads(Path(launch.runs).read_text()).items():
         torch._dynamo.reset()  # each compiled run compiles its own graphs, as in a process of its own
+        # ... with dynamo's settings of a fresh process (sft.moe.apply_moe changes one for MoE models)
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = False
         result = run(parse_run(flags), env)
         if env.rank == 0:
             torch.save(result, Path(launch.out) / f"{name}.pt")

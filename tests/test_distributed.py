@@ -252,23 +252,24 @@ MOE_RUNS = [
     ("gpt-oss reference", "gpt-oss", 1, ["--reference", "--micro-batch", "2", "--attn", "eager"]),
     ("gpt-oss 2 ranks, grad-acc 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager"]),
 ]
-# (reference, run, atol of the gradients): gpt-oss's biases (attention's too) sum gradients over every
-# token, so float32 summation order shows at ~2e-7 absolute.
-MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4", 1e-7), ("moe reference", "moe 2 ranks, grad-acc 2", 1e-7),
-                  ("moe reference", "moe packed rows", 1e-7), ("moe 1 expert reference", "moe 1 expert, 2 ranks", 1e-7),
-                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2", 1e-6)]
+# (reference, run). The gradients' atol is 1e-6, not the dense rows' 1e-7: gradients summed over every
+# token (embeddings, biases) reach their sums in another order than Hugging Face's per-expert loop and
+# differ by up to ~2e-7 in float32 (seen on an embedding row and a gpt-oss attention bias); rtol stays 1e-5.
+MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference", "moe 2 ranks, grad-acc 2"),
+                  ("moe reference", "moe packed rows"), ("moe 1 expert reference", "moe 1 expert, 2 ranks"),
+                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reference, name, atol", MOE_EQUIVALENT, ids=[row[1] for row in MOE_EQUIVALENT])
-def test_moe_equals_hf_reference(runs, reference, name, atol):
+@pytest.mark.parametrize("reference, name", MOE_EQUIVALENT, ids=[row[1] for row in MOE_EQUIVALENT])
+def test_moe_equals_hf_reference(runs, reference, name):
     """Loss, load-balancing loss, gradients and grad norm of FSDP2 with our grouped experts equal
     Hugging Face's eager MoE: padding is not in the aux term, packed rows count each document's
     tokens as padded rows do, and the aux term's gradient flows (the router's gradient has it)."""
     ref, run = runs(reference), runs(name)
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     assert run["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5)
-    assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=atol)
+    assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-6)
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
     assert run["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
 
@@ -280,7 +281,7 @@ def test_moe_aux_loss_is_layout_invariant(runs):
     one, two = runs("moe 1 rank, grad-acc 4"), runs("moe 2 ranks, grad-acc 2")
     assert one["aux_loss"] > 0
     assert two["aux_loss"] == pytest.approx(one["aux_loss"], rel=1e-6)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # float32 sums in another order
 
 
 @pytest.mark.slow
