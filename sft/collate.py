@@ -2,9 +2,10 @@
 
 Right padding needs no attention mask for a causal model: a real token only attends to earlier
 positions, never to the pads after it, and pads carry IGNORE_INDEX labels. Leaving the mask out
-keeps SDPA on its fused causal kernel. `real_tokens` marks what is not padding (a pad id may also be a
-real token, e.g. EOS): the load-balancing loss of MoE models counts only real tokens. `position_ids` are always returned, so a packing collate
+keeps SDPA on its fused causal kernel. `position_ids` are always returned, so a packing collate
 (several documents per row, positions restarting per document) fits the same interface.
+`real_tokens` marks what is not padding (the pad id may also be a real token, e.g. EOS): the
+load-balancing loss of MoE models counts real tokens only (sft/moe.py).
 """
 
 from __future__ import annotations

@@ -228,3 +228,15 @@ def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
     model = build_meta_model(ModelConfig(name_or_path=str(tmp_path)))
     with pytest.raises(MoEError, match="model_type qwen2_moe.*supported: gpt_oss, mixtral, qwen3_moe"):
         apply_moe(model, MoEConfig())
+
+
+def test_real_tokens_mark_everything_but_padding():
+    """The load-balancing loss's token mask: each sample's tokens, padded or packed, whatever their ids
+    (a pad id that is also a real token, e.g. EOS, stays real)."""
+    from sft.collate import collate, collate_packed
+
+    samples = [{"input_ids": [5, 0, 0], "labels": [-100, 0, 0]}, {"input_ids": [7] * 5, "labels": [7] * 5}]
+    padded = collate(samples, pad_token_id=0, max_seq_len=16, pad_to_multiple_of=8)
+    assert padded["real_tokens"].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
+    packed = collate_packed([samples], pad_token_id=0, row_len=12)
+    assert packed["real_tokens"].tolist() == [[True] * 8 + [False] * 4]
