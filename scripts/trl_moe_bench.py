@@ -8,7 +8,8 @@ Workload: every sample SEQ random token ids, loss on the second half, BS samples
 routing computed by the model's router (no fake balancing). Weights load as bf16 (TRL's usual setup:
 no float32 master copy, unlike `sft`). Rank 0 prints one line 'RESULT {json}': tok_s_gpu (tokens
 per second per GPU, steady state after --warmup steps), step_s, peak_mem_gib, the first and last losses.
-Needs trl and datasets (scripts/bench_gpu.sh installs the wheels in .whl/).
+Needs trl and datasets (scripts/bench_gpu.sh installs the wheels in .whl/). Without GPUs `train` runs
+in one process in float32 without FSDP: a dry run of this script (e.g. --seq 128 --steps 4), not a peer.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ def train(args: argparse.Namespace) -> None:
             self.ends: list[float] = []
 
         def on_step_end(self, *_, **__):
-            torch.cuda.synchronize()
+            if gpu:
+                torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    gpu = torch.cuda.is_available()  # without GPUs: one process, no FSDP, float32 (a dry run of this script)
     config = AutoConfig.from_pretrained(args.model)
     samples = args.bs * world * (args.steps + 1)
     ids = torch.randint(2, config.vocab_size, (samples, args.seq), generator=torch.Generator().manual_seed(0))
@@ -57,18 +60,20 @@ def train(args: argparse.Namespace) -> None:
     layer = config.architectures[0].replace("ForCausalLM", "DecoderLayer")
     sft_config = SFTConfig(
         output_dir="/tmp/trl_moe_out", per_device_train_batch_size=args.bs, gradient_accumulation_steps=1,
-        max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=True, logging_steps=1,
-        save_strategy="no", report_to=[], max_length=args.seq, packing=False, completion_only_loss=True,
-        dataloader_num_workers=0, seed=0, fsdp="full_shard auto_wrap",
+        max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=gpu, use_cpu=not gpu,
+        logging_steps=1, save_strategy="no", report_to=[], max_length=args.seq, packing=False,
+        completion_only_loss=True, dataloader_num_workers=0, seed=0, fsdp="full_shard auto_wrap" if gpu else "",
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer], "reshard_after_forward": True,
-                     "activation_checkpointing": args.ac == "full", "state_dict_type": "SHARDED_STATE_DICT"},
+                     "activation_checkpointing": args.ac == "full", "state_dict_type": "SHARDED_STATE_DICT"}
+        if gpu else None,
         # The model computes its load-balancing loss (output_router_logits) and adds it to the loss.
-        model_init_kwargs={"dtype": torch.bfloat16, "output_router_logits": True,
+        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32, "output_router_logits": True,
                            **({"experts_implementation": args.experts} if args.experts else {})})
     timer = StepTimes()
     trainer = SFTTrainer(model=args.model, args=sft_config, train_dataset=data, processing_class=tokenizer,
                          callbacks=[timer])
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
     steady = timer.ends[args.warmup:]
     step_s = (steady[-1] - steady[0]) / (len(steady) - 1)
@@ -77,7 +82,7 @@ def train(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({
             "peer": "trl", "world": world, "seq": args.seq, "bs": args.bs, "ac": args.ac, "experts": args.experts or "default",
             "step_s": step_s, "tok_s_gpu": args.bs * args.seq / step_s,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "loss_first": losses[:3], "loss_last": losses[-3:]}), flush=True)
 
 
