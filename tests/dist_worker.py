@@ -149,6 +149,7 @@ def run(args: argparse.Namespace, env) -> dict:
             result["aux_loss"] = router.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
+        result["expert_placements"] = sorted({str(p.placements) for n, p in named.items() if ".experts." in n and p.dim() == 3})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         result["grad_norm"] = full(norm).item()
         optimizer = build_optimizer(model, OptimConfig(lr=1e-3))

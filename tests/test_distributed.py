@@ -275,6 +275,13 @@ def test_moe_equals_hf_reference(runs, reference, name):
 
 
 @pytest.mark.slow
+def test_expert_weights_shard_over_experts_or_their_rows(runs):
+    """8 experts on 2 ranks: 4 experts each (Shard(0)); 1 expert on 2 ranks: half its rows each (Shard(1))."""
+    assert runs("moe 2 ranks, grad-acc 2")["expert_placements"] == ["(Shard(dim=0),)"]
+    assert runs("moe 1 expert, 2 ranks")["expert_placements"] == ["(Shard(dim=1),)"]
+
+
+@pytest.mark.slow
 def test_moe_aux_loss_is_layout_invariant(runs):
     """(1 rank, grad-acc 4) and (2 ranks, grad-acc 2) on one global batch: the same aux loss and grad
     norm (no factor of world size or of grad-accum steps)."""

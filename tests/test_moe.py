@@ -92,21 +92,33 @@ def test_checkpoint_recomputation_does_not_route_again(mode):
     assert backward["mm"] > 0  # something was recomputed (whole blocks) or differentiated
 
 
-def test_expert_weights_load_from_the_hub_layout(tmp_path):
-    """A checkpoint saved by transformers (one tensor per expert) is read into the fused parameters,
-    any slice of experts and rows (what a rank's shard asks for), with the shapes checked first."""
-    model = _hf_model()
-    directory = moe_model_dir(tmp_path)
+# (architecture, config.json overrides of the MoE demo, a hub name of expert 3's gate, of layer 0's router)
+HUB_LAYOUTS = [("qwen3_moe", {}, "model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.gate.weight"),
+               ("mixtral", {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                            "intermediate_size": 96},
+                "model.layers.0.block_sparse_moe.experts.3.w1.weight", "model.layers.0.block_sparse_moe.gate.weight")]
+
+
+@pytest.mark.parametrize("arch, overrides, expert_key, router_key", HUB_LAYOUTS, ids=[row[0] for row in HUB_LAYOUTS])
+def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expert_key, router_key):
+    """A checkpoint saved by transformers (one tensor per expert; Mixtral's under block_sparse_moe) is
+    read into the fused parameters, any slice of experts and rows (what a rank's shard asks for),
+    with the shapes checked first; export's renaming gives back the names transformers wrote."""
+    from sft.moe import to_hub_tensors
+
+    directory = moe_model_dir(tmp_path, **overrides)
+    model = _hf_model(directory)
     model.save_pretrained(directory)
     with safe_open(directory / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
-    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys
-    assert "model.layers.0.mlp.experts.gate_up_proj" not in keys
+    assert {expert_key, router_key} <= keys
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+    assert {name for name, _ in to_hub_tensors(arch, model.state_dict().items()) if name != "lm_head.weight"} == keys
     meta = build_meta_model(ModelConfig(name_or_path=str(directory)))
     weights = SafetensorsWeights(str(directory), meta)
     weights.check(meta)
     fused = model.model.layers[1].mlp.experts
-    intermediate = model.config.moe_intermediate_size
+    intermediate = fused.gate_up_proj.shape[1] // 2
     for index in [(slice(0, 8), slice(0, 2 * intermediate), slice(0, 128)),
                   (slice(2, 5), slice(intermediate - 8, intermediate + 8), slice(0, 128)),  # across gate | up
                   (slice(7, 8), slice(intermediate, 2 * intermediate), slice(16, 32))]:
@@ -115,6 +127,8 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path):
     down = (slice(1, 3), slice(0, 128), slice(0, intermediate))
     assert torch.equal(weights.read("model.layers.1.mlp.experts.down_proj", down, torch.device("cpu")),
                        fused.down_proj.detach()[down])
+    assert torch.equal(weights.read("model.layers.0.mlp.gate.weight", (slice(0, 8), slice(0, 128)), torch.device("cpu")),
+                       model.model.layers[0].mlp.gate.weight.detach())
 
 
 @pytest.mark.slow
