@@ -32,7 +32,8 @@ by its share of the step's real tokens, counted over all ranks before the first 
 
 So the total is invariant to how the same micro-batches fall on ranks and grad-accum steps (FSDP
 sums gradients; no factor of world size), and equals transformers' own term for one micro-batch and
-one MoE layer. transformers pools f and P over all layers before the product (expert e of layer 1
+one MoE layer. The balancing set is what one forward sees, as in transformers: another
+train.micro_batch_size changes it (f and P are products over the set, not sums). transformers pools f and P over all layers before the product (expert e of layer 1
 and of layer 2 share a statistic); we balance each layer, as Switch, Megatron and TorchTitan do.
 Balancing over the whole global batch (the Qwen3 authors' recommendation) would need every
 micro-batch's counts before the first backward: a second forward, not done.
@@ -41,8 +42,8 @@ micro-batch's counts before the first backward: a second forward, not done.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Shard
 
 from sft.config import MoEConfig, UserError
+
 
 class MoEError(UserError):
     """A mixture-of-experts model that cannot be trained as it is; the message names the fix."""
