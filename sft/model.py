@@ -28,8 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from sft.config import ModelConfig, UserError
 from sft import moe
+from sft.config import ModelConfig, UserError
 from sft.distributed import rank0_first
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -131,8 +131,8 @@ class SafetensorsWeights:
         self.model_type = model.config.model_type
         self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
 
-    def check(self, model: nn.Module) -> None:
-        """One clear error if the files lack a parameter of `model` or hold it in another shape
+    def check(self) -> None:
+        """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads."""
         shapes = {}
         for file in sorted(set(self.weight_map.values())):  # headers only
@@ -223,6 +223,6 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
     def opened() -> SafetensorsWeights:
         weights = SafetensorsWeights(cfg.name_or_path, model)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            weights.check(model)
+            weights.check()
         return weights
     return rank0_first(opened)

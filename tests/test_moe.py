@@ -116,7 +116,7 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
     assert {name for name, _ in to_hub_tensors(arch, model.state_dict().items()) if name != "lm_head.weight"} == keys
     meta = build_meta_model(ModelConfig(name_or_path=str(directory)))
     weights = SafetensorsWeights(str(directory), meta)
-    weights.check(meta)
+    weights.check()
     fused = model.model.layers[1].mlp.experts
     intermediate = fused.gate_up_proj.shape[1] // 2
     for index in [(slice(0, 8), slice(0, 2 * intermediate), slice(0, 128)),
@@ -227,7 +227,7 @@ def test_mxfp4_experts_stop_with_the_fix(tmp_path):
     save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 128, 2, 16, dtype=torch.uint8)},
               directory / "model.safetensors")
     with pytest.raises(ModelError, match="MXFP4-quantised experts.*Mxfp4Config\\(dequantize=True\\)"):
-        SafetensorsWeights(str(directory), meta).check(meta)
+        SafetensorsWeights(str(directory), meta).check()
 
 
 def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
