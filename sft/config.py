@@ -199,6 +199,17 @@ class ACConfig:
 
 
 @dataclass
+class CPConfig:
+    degree: int = 1
+    """Context parallelism: split every row's tokens over this many ranks (consecutive ranks, so
+    keep it within a node), for rows longer than one GPU's activations allow (python -m sft.plan
+    suggests the smallest degree that fits data.max_seq_len). Keys and values are all-gathered per
+    layer and documents of packed rows stay isolated. Must divide the number of ranks; the data
+    is spread over ranks / degree data-parallel groups, so the global batch is micro_batch_size x
+    grad_accum_steps x ranks / degree. Checkpoints resume at any degree. See README "Long context"."""
+
+
+@dataclass
 class CompileConfig:
     enabled: bool = False
     """torch.compile each decoder block (after activation checkpointing, before FSDP)."""
@@ -288,6 +299,7 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ac: ACConfig = field(default_factory=ACConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -342,6 +354,7 @@ def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "must be >= 1, or null for all rows")
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
+    check(cfg.cp.degree >= 1, "cp.degree", cfg.cp.degree, "must be >= 1 (1 = no context parallelism)")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
