@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
-    cp = ContextParallel(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
     # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step.
     stop = StopRequest(cfg.run_dir / STOP_REQUEST if env.is_main else None,
                        started_at=time.time() - seconds_since_process_start())
@@ -57,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                            if env.device.type == "cuda" else None)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
+    cp = ContextParallel(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)

@@ -125,8 +125,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     # along without an extra copy): [local, 2, rows, kv heads, dim] -> [whole row, ...].
     local = torch.stack([key, value]).movedim(3, 0).contiguous()
     key, value = _all_gather_autograd(local, 0, group_name).movedim(0, 3).unbind(0)
-    if isinstance(cp_mask, BlockMask):
-        out = _compiled_flex_attention()(query, key, value, block_mask=cp_mask, scale=scaling, enable_gqa=True)
+    if isinstance(cp_mask, BlockMask):  # the kernel reads K/V in blocks of the sequence: make them contiguous
+        out = _compiled_flex_attention()(query, key.contiguous(), value.contiguous(), block_mask=cp_mask,
+                                         scale=scaling, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=cp_mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
