@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
                                            if env.device.type == "cuda" else None)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
-    cp = ContextParallel(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
+    cp = ContextParallel.build(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)

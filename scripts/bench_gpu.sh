@@ -8,6 +8,7 @@
 #   packing   V-7B: padded vs packed (flex attention)
 #   attention causal attention fwd+bwd per SDPA backend at P-7B shapes
 #   attnlong  the same at 32k and 64k tokens (batch 1), SDPA flash / cuDNN / efficient and compiled flex (~2 min)
+#   attncp    one context-parallel rank's attention (cp 2) at 64k and 128k: time and peak memory
 #   acp7b acp7bf8 acv7b ac32k   issue #24, meant for 2 GPUs (NGPU=2): whole-block vs op-level activation
 #             checkpointing (ac.mode) and plan.auto's choice, one table each with tok/s/GPU, peak and reserved
 #             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
@@ -157,6 +158,9 @@ for stage in "$@"; do
     attnlong)  # long context (issue #24): which attention kernel is fastest at 32k and 64k tokens per row
       python3 scripts/bench_attention.py --batch 1 --seq 32768 65536 --heads 28 --kv-heads 4 --head-dim 128 --iters 10 |
         tee runs/bench/attnlong.md ;;
+    attncp)  # issue #25: one cp rank's attention (cp 2) at 64k and 128k tokens per row: time and memory
+      python3 scripts/bench_attention.py --batch 1 --seq 65536 131072 --cp 2 --heads 28 --kv-heads 4 --head-dim 128 \
+        --iters 5 | tee runs/bench/attncp.md ;;
     acp7b)  # P-7B bf16: the old plan.auto choice (ac 0.75) and ac 1 traced; op-level checkpointing at ac 1 and 0.75
       p7b_data
       ac_runs acp7b <<'RUNS'
@@ -215,6 +219,7 @@ RUNS
 lc64k-cp2                $ROW64 cp.degree=2
 lc128k-cp2-offload       $ROW128 cp.degree=2 data.path=data/bench/len128k.parquet fsdp.cpu_offload=true logging.profile_steps=[5,5]
 lc128k-packed-cp2-offload $ROW128 cp.degree=2 data.path=data/bench/tail128k.parquet data.packing=true fsdp.cpu_offload=true
+lc64k-cp2-f8             $ROW64 cp.degree=2 precision.float8=tensorwise
 RUNS
       else
         STEPS=${STEPS_LONG:-6} WARMUP=2 RUN_TIMEOUT=480 ac_runs longctx4 <<RUNS

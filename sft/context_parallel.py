@@ -30,6 +30,7 @@ Checkpoints are FSDP shards over all ranks whatever the degree, so a run resumes
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,22 +51,29 @@ CP_ATTENTION = "sft_context_parallel"
 LAYOUT_KEYS = ("query_index", "key_index", "query_doc", "key_doc")
 
 
+@dataclass(frozen=True)
 class ContextParallel:
     """This rank's place in the data-parallel x context-parallel layout; degree 1 is plain data
-    parallelism (no group is created and rows are not split)."""
+    parallelism (no group, rows are not split)."""
+    degree: int = 1
+    rank: int = 0  # in its cp group
+    dp_rank: int = 0
+    dp_size: int = 1
+    group_name: str | None = None  # the cp group's process group
 
-    def __init__(self, degree: int, env: DistEnv):
+    @classmethod
+    def build(cls, degree: int, env: DistEnv) -> ContextParallel:
+        """Collective when degree > 1 (creates the cp groups)."""
         if env.world_size % degree:
             raise ConfigError(f"cp.degree={degree}: must divide the {env.world_size} ranks "
                               f"(e.g. cp.degree={next(d for d in (4, 2, 1) if env.world_size % d == 0)})")
-        self.degree, self.rank, self.dp_rank, self.dp_size = degree, env.rank % degree, env.rank // degree, \
-            env.world_size // degree
-        self.group_name = None
+        group_name = None
         if degree > 1:
             # A mesh of its own next to FSDP's: FSDP shards over all ranks (dp x cp), which is the
             # flat mesh it already has, so only the cp groups are new.
-            mesh = init_device_mesh(env.device.type, (self.dp_size, degree), mesh_dim_names=("dp", "cp"))
-            self.group_name = mesh["cp"].get_group().group_name
+            mesh = init_device_mesh(env.device.type, (env.world_size // degree, degree), mesh_dim_names=("dp", "cp"))
+            group_name = mesh["cp"].get_group().group_name
+        return cls(degree, env.rank % degree, env.rank // degree, env.world_size // degree, group_name)
 
     def _chunks(self, cp_rank: int, chunk: int) -> torch.Tensor:
         """Whole-row indices of the tokens cp rank `cp_rank` keeps (head-tail chunks)."""

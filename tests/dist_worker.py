@@ -112,7 +112,7 @@ def run(args: argparse.Namespace, env) -> dict:
         named = dict(model.named_parameters())
     else:
         mesh = build_mesh(env.device.type, env.world_size, args.replicate)
-        cp = ContextParallel(args.cp, env)
+        cp = ContextParallel.build(args.cp, env)
         parallelize(model, decoder_blocks(model), mesh, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                                reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, cp)
