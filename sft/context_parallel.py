@@ -146,10 +146,12 @@ def apply_context_parallel(model: PreTrainedModel, cp: ContextParallel) -> None:
     """Route the model's attention through `_attention` over `cp`'s group (before anything wraps
     or compiles the blocks). transformers then builds no mask of its own: `_sft_loss` passes
     `cp_mask` down to every attention call."""
-    layer_types = set(getattr(model.config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(model.config, "attn_logit_softcapping", None):
-        raise ConfigError(f"cp.degree={cp.degree}: {type(model).__name__} uses {sorted(layer_types)} attention"
-                          " layers or logit soft-capping, which context parallelism does not support; use cp.degree=1")
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)
+            or getattr(config, "attn_logit_softcapping", None)):
+        raise ConfigError(f"cp.degree={cp.degree}: {type(model).__name__} has sliding-window or soft-capped attention "
+                          "layers, which context parallelism does not support; use cp.degree=1")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=cp.group_name))
     model.config._attn_implementation = CP_ATTENTION
     log0(f"applied context parallelism: each row split over {cp.degree} ranks (head-tail), K/V all-gathered")
