@@ -126,27 +126,26 @@ def _compiled_flex_attention():
 
 
 def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """softmax(q k^T * scale) v over one block of keys: (out, log-sum-exp per query, the tensors and
-    the sizes its backward needs). cuDNN's fused kernel on GPUs (the fastest causal kernel measured on H100), the
+                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """softmax(q k^T * scale) v over one block of keys: (out, log-sum-exp per query, what its
+    backward needs). cuDNN's fused kernel on GPUs (the fastest causal kernel measured on H100), the
     CPU flash kernel elsewhere; both take grouped K/V heads as they are."""
     if q.is_cuda:
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)
-        return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, (), ()
+    return out, lse, ()
 
 
 def _attention_block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None,
-                              tensors: tuple[torch.Tensor, ...], sizes: tuple[int, ...],
+                              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None, extra: tuple,
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block, given the output and log-sum-exp over *all* the query's blocks:
     the softmax it differentiates is then the whole row's, so the blocks' gradients simply add up
     (ring attention's backward)."""
     if q.is_cuda:
-        (cum_q, cum_k, seed, offset), (max_q, max_k) = tensors, sizes
+        cum_q, cum_k, max_q, max_k, seed, offset = extra
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
@@ -163,17 +162,15 @@ class _HeadTailCausalAttention(torch.autograd.Function):
     def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, int],
                 scale: float | None) -> torch.Tensor:
         size = query.shape[2] // 2
-        outs, saved, blocks, block_tensors = [], [], [], []
+        outs, saved, blocks = [], [], []
         for i, j in enumerate(chunks):
             q = query[:, :, i * size : (i + 1) * size].contiguous()
             pieces = [(j * size, (j + 1) * size, True)] + ([(0, j * size, False)] if j else [])
             out = lse = None
             for start, end, causal in pieces:
                 k, v = key[:, :, start:end].contiguous(), value[:, :, start:end].contiguous()
-                block_out, block_lse, tensors, sizes = _attention_block(q, k, v, causal, scale)
-                # Tensors for backward go through save_for_backward (compile traces it); sizes on ctx.
-                blocks.append((i, start, end, causal, len(tensors), sizes))
-                block_tensors += tensors
+                block_out, block_lse, extra = _attention_block(q, k, v, causal, scale)
+                blocks.append((i, start, end, causal, extra))
                 if out is None:
                     out, lse = block_out.float(), block_lse
                 else:  # the softmax over both blocks, in float32 (lse is [rows, heads, q] or [..., 1] per kernel)
@@ -183,23 +180,22 @@ class _HeadTailCausalAttention(torch.autograd.Function):
             outs.append(out.to(query.dtype).contiguous())
             saved += [q, lse]
         ctx.blocks, ctx.scale = blocks, scale
-        ctx.save_for_backward(key, value, *outs, *saved, *block_tensors)
+        ctx.save_for_backward(key, value, *outs, *saved)
         return torch.cat(outs, dim=2)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         key, value, *rest = ctx.saved_tensors
-        outs, saved, block_tensors = rest[:2], rest[2:6], iter(rest[6:])
+        outs, saved = rest[:2], rest[2:]
         size = grad.shape[2] // 2
         grad_query = [torch.zeros_like(saved[0]), torch.zeros_like(saved[2])]
         grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)  # summed over blocks
         grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-        for i, start, end, causal, num_tensors, sizes in ctx.blocks:
+        for i, start, end, causal, extra in ctx.blocks:
             q, lse = saved[2 * i], saved[2 * i + 1]
             g = grad[:, :, i * size : (i + 1) * size].contiguous()
             k, v = key[:, :, start:end].contiguous(), value[:, :, start:end].contiguous()
-            tensors = tuple(next(block_tensors) for _ in range(num_tensors))
-            dq, dk, dv = _attention_block_backward(g, q, k, v, outs[i], lse, causal, ctx.scale, tensors, sizes)
+            dq, dk, dv = _attention_block_backward(g, q, k, v, outs[i], lse, causal, ctx.scale, extra)
             grad_query[i] += dq
             grad_key[:, :, start:end] += dk
             grad_value[:, :, start:end] += dv
