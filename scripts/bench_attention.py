@@ -11,9 +11,8 @@ works at 64k) before it is timed. Several --seq values are timed one after the o
 also shows the peak memory the forward + backward allocated beyond q, k, v and grad_out.
 
 --cp N instead times what one rank of a context-parallel group runs (sft/context_parallel.py): its
-head-tail share of the row's queries (seq / N) against the whole row's keys: compiled flex attention
-with the whole-row causal mask (packed rows), and the cuDNN blocks merged by log-sum-exp (one
-document per row).
+head-tail share of the row's queries (seq / N) against the whole row's keys, with the whole-row
+causal mask, compiled flex attention.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ def report(name: str, run, grad_out: torch.Tensor, flops: float, iters: int, ref
 
 def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int) -> None:
     """One cp rank's attention (rank 0 of the group: chunks 0 and 2 cp - 1 of the row)."""
-    from sft.context_parallel import ContextParallel, _HeadTailCausalAttention, attention_mask
+    from sft.context_parallel import ContextParallel, attention_mask
 
     gen = torch.Generator("cuda").manual_seed(0)
     local = s // cp
@@ -86,9 +85,6 @@ def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int)
     print(f"context-parallel attention fwd+bwd of one of {cp} ranks: q [{b}, {h}, {local}, {d}] against "
           f"{s} keys, kv heads {kv}, bf16, {torch.cuda.get_device_name()}")
     report("flex (compiled), cp mask", lambda: compiled_flex(q, k, v, block_mask=mask, enable_gqa=True),
-           grad_out, flops, iters, None)
-    # One document per row: cuDNN blocks merged by log-sum-exp, what cp runs without packing.
-    report("cuDNN blocks, head-tail", lambda: _HeadTailCausalAttention.apply(q, k, v, (0, 2 * cp - 1), None),
            grad_out, flops, iters, None)
 
 

@@ -12,14 +12,12 @@ first (its label is already ignored, sft/collate.py).
 
 Attention. Each rank computes Q, K, V for its own tokens; K and V (small under GQA: 1/7 of the
 hidden size on Qwen2.5-7B) are all-gathered over the cp group, and the rank's queries attend to
-the whole row. All-gather rather than ring or head all-to-all (Ulysses): one collective per layer
-whose backward is one reduce-scatter, any number of heads, and any mask. Two kernels:
-* one document per row: chunk j attends to chunks 0..j-1 in full and to itself causally, two calls
-  of a fused kernel without a mask (cuDNN on GPUs, the fastest causal kernel measured on H100; the
-  CPU flash kernel in tests), merged by their log-sum-exp (`_HeadTailCausalAttention`);
-* packed rows: a mask built from whole-row indices, causal and within one document, as a
-  flex-attention block mask on GPUs (fully masked blocks, other documents and the future, cost
-  nothing) and as a dense boolean mask for SDPA on CPU (flex attention has no CPU backward).
+the whole row with a mask built from whole-row indices: causal on the row's token order, and
+within one document (packing). All-gather rather than ring or head all-to-all (Ulysses): one
+collective per layer whose backward is one reduce-scatter, any number of heads and any mask, and
+on GPUs the mask is a flex-attention block mask, so fully masked blocks (other documents, the
+future) cost nothing. On CPU (tests) the same mask is a dense boolean tensor for SDPA: flex
+attention has no CPU backward.
 
 Loss. Each rank sums the cross-entropy of its own supervised tokens and divides by the global
 count (sft/loss.py): every token is counted on exactly one rank, FSDP sums the gradients over all
@@ -85,7 +83,7 @@ class ContextParallel:
 
     def shard_rows(self, rows: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(this rank's share of {input_ids, position_ids, targets} [rows x length], the layout
-        `attention_mask` needs for packed rows; none when every row is one document). Rows are padded at the end to a multiple of 2 * degree; the padding
+        `attention_mask` needs). Rows are padded at the end to a multiple of 2 * degree; the padding
         continues the last document's positions and is never a target, so it changes nothing."""
         length = rows["input_ids"].shape[1]
         padded = -(-length // (2 * self.degree)) * 2 * self.degree
@@ -97,12 +95,9 @@ class ContextParallel:
         document = (position_ids == 0).cumsum(dim=1)  # positions restart at 0 with every packed document
         chunk = padded // (2 * self.degree)
         mine = self._chunks(self.rank, chunk)
-        local = {k: v[:, mine] for k, v in whole.items()}
-        if (document == 1).all():  # one document per row: plain causal attention, no mask to build
-            return local, {}
         keys = torch.cat([self._chunks(r, chunk) for r in range(self.degree)])  # the all-gather's order
-        return local, {"query_index": mine, "key_index": keys, "query_doc": document[:, mine],
-                       "key_doc": document[:, keys]}
+        return ({k: v[:, mine] for k, v in whole.items()},
+                {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]})
 
 
 def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
@@ -125,108 +120,20 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-    """softmax(q k^T * scale) v over one block of keys: (out, log-sum-exp per query, what its
-    backward needs). cuDNN's fused kernel on GPUs (the fastest causal kernel measured on H100), the
-    CPU flash kernel elsewhere; both take grouped K/V heads as they are."""
-    if q.is_cuda:
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, ()
-
-
-def _attention_block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None, extra: tuple,
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the output and log-sum-exp over *all* the query's blocks:
-    the softmax it differentiates is then the whole row's, so the blocks' gradients simply add up
-    (ring attention's backward)."""
-    if q.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
-                                                                                scale=scale)
-
-
-class _HeadTailCausalAttention(torch.autograd.Function):
-    """Causal attention of one cp rank's two chunks (whole-row chunks j = rank and 2 * degree - 1 -
-    rank) over the row's keys in whole-row order, when every row is one document. Chunk j attends to
-    chunks 0..j-1 in full and to itself causally: two fused-kernel calls of plain shapes (no mask),
-    merged by their log-sum-exp."""
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunks: tuple[int, int],
-                scale: float | None) -> torch.Tensor:
-        size = query.shape[2] // 2
-        outs, saved, blocks = [], [], []
-        for i, j in enumerate(chunks):
-            q = query[:, :, i * size : (i + 1) * size].contiguous()
-            pieces = [(j * size, (j + 1) * size, True)] + ([(0, j * size, False)] if j else [])
-            out = lse = None
-            for start, end, causal in pieces:
-                k, v = key[:, :, start:end].contiguous(), value[:, :, start:end].contiguous()
-                block_out, block_lse, extra = _attention_block(q, k, v, causal, scale)
-                blocks.append((i, start, end, causal, extra))
-                if out is None:
-                    out, lse = block_out.float(), block_lse
-                else:  # the softmax over both blocks, in float32 (lse is [rows, heads, q] or [..., 1] per kernel)
-                    weight = torch.sigmoid(block_lse - lse).reshape(*out.shape[:-1], 1)
-                    out = out - weight * (out - block_out.float())
-                    lse = lse - F.logsigmoid(lse - block_lse)
-            outs.append(out.to(query.dtype).contiguous())
-            saved += [q, lse]
-        ctx.blocks, ctx.scale = blocks, scale
-        ctx.save_for_backward(key, value, *outs, *saved)
-        return torch.cat(outs, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        key, value, *rest = ctx.saved_tensors
-        outs, saved = rest[:2], rest[2:]
-        size = grad.shape[2] // 2
-        grad_query = [torch.zeros_like(saved[0]), torch.zeros_like(saved[2])]
-        grad_key = torch.zeros(key.shape, dtype=torch.float32, device=key.device)  # summed over blocks
-        grad_value = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
-        for i, start, end, causal, extra in ctx.blocks:
-            q, lse = saved[2 * i], saved[2 * i + 1]
-            g = grad[:, :, i * size : (i + 1) * size].contiguous()
-            k, v = key[:, :, start:end].contiguous(), value[:, :, start:end].contiguous()
-            dq, dk, dv = _attention_block_backward(g, q, k, v, outs[i], lse, causal, ctx.scale, extra)
-            grad_query[i] += dq
-            grad_key[:, :, start:end] += dk
-            grad_value[:, :, start:end] += dv
-        return torch.cat(grad_query, dim=2), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None
-
-
-def _whole_row_order(gathered: torch.Tensor, degree: int) -> torch.Tensor:
-    """K or V [rows, heads, 2 * degree chunks, dim] from the all-gather's order (rank 0's two chunks,
-    rank 1's, ...) into whole-row order: chunk j is rank j's first or rank 2 * degree - 1 - j's second."""
-    size = gathered.shape[2] // (2 * degree)
-    slots = [2 * j if j < degree else 2 * (2 * degree - 1 - j) + 1 for j in range(2 * degree)]
-    return torch.cat([gathered[:, :, s * size : (s + 1) * size] for s in slots], dim=2)
-
-
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-               group_name: str, cp_rank: int, degree: int, cp_mask: BlockMask | torch.Tensor | None = None,
-               **kwargs) -> tuple[torch.Tensor, None]:
+               group_name: str, cp_mask: BlockMask | torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q [rows, heads, local, dim], k/v [rows, kv heads, local,
-    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row: causally when
-    `cp_mask` is None (one document per row), else as `cp_mask` says (packed rows)."""
+    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row."""
+    if cp_mask is None:
+        raise RuntimeError("context-parallel attention called without cp_mask (use model.sft_loss)")
     if dropout:
         raise ConfigError("cp.degree > 1: attention dropout is not supported; set the model's attention_dropout to 0")
     # One collective for K and V, gathered along dim 0 (the only dim every torch version gathers
     # along without an extra copy): [local, 2, rows, kv heads, dim] -> [whole row, ...].
     local = torch.stack([key, value]).movedim(3, 0).contiguous()
     key, value = _all_gather_autograd(local, 0, group_name).movedim(0, 3).unbind(0)
-    if cp_mask is None:
-        out = _HeadTailCausalAttention.apply(query, _whole_row_order(key, degree), _whole_row_order(value, degree),
-                                             (cp_rank, 2 * degree - 1 - cp_rank), scaling)
-    elif isinstance(cp_mask, BlockMask):  # the kernel reads K/V in blocks of the sequence: make them contiguous
+    if isinstance(cp_mask, BlockMask):  # the kernel reads K/V in blocks of the sequence: make them contiguous
         out = _compiled_flex_attention()(query, key.contiguous(), value.contiguous(), block_mask=cp_mask,
                                          scale=scaling, enable_gqa=True)
     else:
@@ -245,7 +152,6 @@ def apply_context_parallel(model: PreTrainedModel, cp: ContextParallel) -> None:
             or getattr(config, "attn_logit_softcapping", None)):
         raise ConfigError(f"cp.degree={cp.degree}: {type(model).__name__} has sliding-window or soft-capped attention "
                           "layers, which context parallelism does not support; use cp.degree=1")
-    AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=cp.group_name,
-                                                                cp_rank=cp.rank, degree=cp.degree))
+    AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=cp.group_name))
     model.config._attn_implementation = CP_ATTENTION
     log0(f"applied context parallelism: each row split over {cp.degree} ranks (head-tail), K/V all-gathered")

@@ -91,7 +91,7 @@ def loss_inputs(batch: dict[str, torch.Tensor], cp: ContextParallel | None = Non
 def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
               target_ids: torch.Tensor, **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
-    attention = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}  # packed rows under cp
+    attention = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
     hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **attention).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
