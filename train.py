@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from sft.checkpoint import Checkpointer
 from sft.config import check_machine, parse_args, run_command
+from sft.context_parallel import ContextParallel
 from sft.data import TrainBatches, MicroBatches, load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
 from sft.evaluate import evaluate
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                            if env.device.type == "cuda" else None)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
+    cp = ContextParallel.build(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     # Data before the model: bad data fails fast, before the expensive part.
     train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
     train_batches = TrainBatches(train_data, tokenizer.pad_token_id, cfg.data, cfg.train.micro_batch_size,
-                                 cfg.train.grad_accum_steps, env.rank, env.world_size, cfg.train.seed)
+                                 cfg.train.grad_accum_steps, cp.dp_rank, cp.dp_size, cfg.train.seed)
     eval_batches = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
     total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
     log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
     mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
-    parallelize(model, decoder_blocks(model), mesh, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8)
+    parallelize(model, decoder_blocks(model), mesh, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, cp)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -109,14 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = seconds_since_process_start()
     log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
     metrics = StepMetrics(model, env, total_steps, state["tokens_seen"],
-                          first_step_extras={"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss})
+                          first_step_extras={"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss},
+                          cp_degree=cp.degree)
     profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
                             report=logger.message)
 
     def run_eval(step: int) -> float | None:
         if eval_batches is None:
             return None
-        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env)
+        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env, cp)
         logger.log({"step": step, "eval_loss": loss})
         return loss
 
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         profiler.step_begins(step)
         micro_batches = train_batches.step(step)
         ce_sum, supervised = forward_backward(model, [b for b, _ in micro_batches], env.device,
-                                              cfg.fsdp.sync_grads_each_microbatch)
+                                              cfg.fsdp.sync_grads_each_microbatch, cp)
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

@@ -2,11 +2,17 @@
 
     python scripts/bench_attention.py --batch 2 --seq 4096 --heads 28 --kv-heads 4 --head-dim 128
     python scripts/bench_attention.py --batch 1 --seq 32768 65536 --heads 28 --kv-heads 4 --head-dim 128
+    python scripts/bench_attention.py --batch 1 --seq 131072 --cp 2 --heads 28 --kv-heads 4 --head-dim 128
 
 Shows which SDPA kernel PyTorch picks by default ("default") and what the others would cost, and
 compiled flex attention with a causal block mask (what packing runs; docs/BENCHMARKS.md). Each
 variant is checked against a float32 reference (the memory-efficient kernel: no s x s scores, so it
-works at 64k) before it is timed. Several --seq values are timed one after the other.
+works at 64k) before it is timed. Several --seq values are timed one after the other. Each line
+also shows the peak memory the forward + backward allocated beyond q, k, v and grad_out.
+
+--cp N instead times what one rank of a context-parallel group runs (sft/context_parallel.py): its
+head-tail share of the row's queries (seq / N) against the whole row's keys, with the whole-row
+causal mask, compiled flex attention.
 """
 
 from __future__ import annotations
@@ -38,6 +44,48 @@ def timed(fn, iters: int = 20) -> float:
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+def report(name: str, run, grad_out: torch.Tensor, flops: float, iters: int, reference: torch.Tensor | None) -> None:
+    """Time run().backward(grad_out) and print ms, TFLOP/s, extra peak memory and the error."""
+    def step() -> None:
+        run().backward(grad_out)
+
+    try:
+        error = ""
+        if reference is not None:
+            with torch.no_grad():
+                error = f"  rel. error {((run().float() - reference).norm() / reference.norm()).item():.1e}"
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        ms = timed(step, iters)
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+        print(f"  {name:30s} {ms:8.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  peak +{peak:5.2f} GiB{error}", flush=True)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        print(f"  {name:30s} unavailable: {str(e).splitlines()[0][:100]}", flush=True)
+
+
+def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int) -> None:
+    """One cp rank's attention (rank 0 of the group: chunks 0 and 2 cp - 1 of the row)."""
+    from sft.context_parallel import ContextParallel, attention_mask
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    local = s // cp
+    q = torch.randn(b, h, local, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    k = torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    v = torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+    grad_out = torch.randn(b, h, local, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = {"input_ids": torch.zeros(b, s, dtype=torch.long), "position_ids": torch.arange(s).expand(b, s),
+            "targets": torch.zeros(b, s, dtype=torch.long)}
+    _, layout = ContextParallel(degree=cp).shard_rows(rows)
+    mask = attention_mask(**{k_: t.cuda() for k_, t in layout.items()})
+    compiled_flex = torch.compile(flex_attention)
+    flops = 3.5 * 2 * 2 * b * h * s * s / 2 * d / cp  # the rank's share of the row's causal attention
+    print(f"context-parallel attention fwd+bwd of one of {cp} ranks: q [{b}, {h}, {local}, {d}] against "
+          f"{s} keys, kv heads {kv}, bf16, {torch.cuda.get_device_name()}")
+    report("flex (compiled), cp mask", lambda: compiled_flex(q, k, v, block_mask=mask, enable_gqa=True),
+           grad_out, flops, iters, None)
 
 
 def bench_shape(b: int, s: int, h: int, kv: int, d: int, iters: int) -> None:
@@ -77,16 +125,7 @@ def bench_shape(b: int, s: int, h: int, kv: int, d: int, iters: int) -> None:
     }
     print(f"causal attention fwd+bwd, q [{b}, {h}, {s}, {d}], kv heads {kv}, bf16, {torch.cuda.get_device_name()}")
     for name, run in variants.items():
-        def step() -> None:
-            run().backward(grad_out)
-
-        try:
-            with torch.no_grad():
-                error = ((run().float() - reference).norm() / reference.norm()).item()
-            ms = timed(step, iters)
-            print(f"  {name:30s} {ms:8.2f} ms  {flops / ms / 1e9:6.0f} TFLOP/s  rel. error {error:.1e}", flush=True)
-        except (RuntimeError, torch.OutOfMemoryError) as e:
-            print(f"  {name:30s} unavailable: {str(e).splitlines()[0][:100]}", flush=True)
+        report(name, run, grad_out, flops, iters, reference)
         q.grad = k.grad = v.grad = None
 
 
@@ -98,9 +137,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20, help="timed runs per variant (median)")
+    parser.add_argument("--cp", type=int, default=1, help="time one rank of a context-parallel group of this size")
     args = parser.parse_args()
     for seq in args.seq:
-        bench_shape(args.batch, seq, args.heads, args.kv_heads, args.head_dim, args.iters)
+        if args.cp > 1:
+            bench_cp_shape(args.batch, seq, args.heads, args.kv_heads, args.head_dim, args.cp, args.iters)
+        else:
+            bench_shape(args.batch, seq, args.heads, args.kv_heads, args.head_dim, args.iters)
 
 
 if __name__ == "__main__":

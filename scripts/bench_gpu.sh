@@ -8,11 +8,16 @@
 #   packing   V-7B: padded vs packed (flex attention)
 #   attention causal attention fwd+bwd per SDPA backend at P-7B shapes
 #   attnlong  the same at 32k and 64k tokens (batch 1), SDPA flash / cuDNN / efficient and compiled flex (~2 min)
+#   attncp    one context-parallel rank's attention (cp 2) at 64k and 128k: time and peak memory
 #   acp7b acp7bf8 acv7b ac32k   issue #24, meant for 2 GPUs (NGPU=2): whole-block vs op-level activation
 #             checkpointing (ac.mode) and plan.auto's choice, one table each with tok/s/GPU, peak and reserved
 #             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
 #             traced at steps 9-10), P-7B float8, V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
 #             float8 (8 steps). ONLY=regex runs the matching runs
+#   longctx   issue #25 on 2 GPUs (NGPU=2), Qwen2.5-7B shapes, fp32 masters, ac 1, one row per cp group:
+#             a 64k document with cp 2, a 128k document with cp 2 + fsdp.cpu_offload (profiled at step 5),
+#             and (ONLY=packed) 128k rows packed from the long tail (lengths log-normal, median 16k,
+#             clipped to [1k, 128k]); ~4 min per run. longctx4: 128k with cp 4 on 4 GPUs, single and packed
 #   perf      P-7B (random init): defaults (with a profile of steps 9-10), ZeRO-2, bf16 reduce, NCCL CTAs,
 #             grad-acc 4 with and without deferred gradient sync; ONLY=regex runs the matching variants
 #   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
@@ -86,7 +91,7 @@ ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with th
     [[ "$overrides" == *float8=tensorwise* ]] && float8_applied "$name"
     [ -f "runs/bench/$name/profile/summary.txt" ] && cp "runs/bench/$name/profile/summary.txt" "$LOGS/$name.profile.txt"
   done
-  [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup 4 | tee "runs/bench/$stage.md"
+  [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup "${WARMUP:-4}" | tee "runs/bench/$stage.md"
   echo "stage $stage took $((SECONDS - t_stage)) s"
 }
 
@@ -158,6 +163,9 @@ for stage in "$@"; do
     attnlong)  # long context (issue #24): which attention kernel is fastest at 32k and 64k tokens per row
       python3 scripts/bench_attention.py --batch 1 --seq 32768 65536 --heads 28 --kv-heads 4 --head-dim 128 --iters 10 |
         tee runs/bench/attnlong.md ;;
+    attncp)  # issue #25: one cp rank's attention (cp 2) at 64k and 128k tokens per row: time and memory
+      python3 scripts/bench_attention.py --batch 1 --seq 65536 131072 --cp 2 --heads 28 --kv-heads 4 --head-dim 128 \
+        --iters 5 | tee runs/bench/attncp.md ;;
     acp7b)  # P-7B bf16: the old plan.auto choice (ac 0.75) and ac 1 traced; op-level checkpointing at ac 1 and 0.75
       p7b_data
       ac_runs acp7b <<'RUNS'
@@ -203,6 +211,27 @@ ac32kf8-ac1            configs/bench/p7b.yaml $LONG precision.float8=tensorwise 
 ac32kf8-auto           configs/bench/p7b.yaml $LONG precision.float8=tensorwise plan.auto=true
 RUNS
       ;;
+    longctx|longctx4)  # issue #25: context parallelism at 64k / 128k tokens per row
+      python3 scripts/synthetic_tokens.py --out data/bench/len64k.parquet --samples 8 --length 65536
+      python3 scripts/synthetic_tokens.py --out data/bench/len128k.parquet --samples 8 --length 131072
+      python3 scripts/synthetic_tokens.py --out data/bench/tail128k.parquet --samples 100 --length 131072 \
+        --min-length 1024 --lognormal 16384 1.0
+      export OMP_NUM_THREADS=$(($(nproc) / NGPU))  # the host AdamW step of the offloaded runs
+      ROW64="configs/bench/p7b.yaml train.micro_batch_size=1 ac.ratio=1 data.max_seq_len=65536 data.path=data/bench/len64k.parquet"
+      ROW128="configs/bench/p7b.yaml train.micro_batch_size=1 ac.ratio=1 data.max_seq_len=131072"
+      if [ "$stage" = longctx ]; then
+        STEPS=${STEPS_LONG:-6} WARMUP=2 RUN_TIMEOUT=480 ac_runs longctx <<RUNS
+lc64k-cp2                $ROW64 cp.degree=2
+lc128k-cp2-offload       $ROW128 cp.degree=2 data.path=data/bench/len128k.parquet fsdp.cpu_offload=true logging.profile_steps=[5,5]
+lc128k-packed-cp2-offload $ROW128 cp.degree=2 data.path=data/bench/tail128k.parquet data.packing=true fsdp.cpu_offload=true
+lc64k-cp2-f8             $ROW64 cp.degree=2 precision.float8=tensorwise
+RUNS
+      else
+        STEPS=${STEPS_LONG:-6} WARMUP=2 RUN_TIMEOUT=480 ac_runs longctx4 <<RUNS
+lc128k-cp4               $ROW128 cp.degree=4 data.path=data/bench/len128k.parquet logging.profile_steps=[5,5]
+lc128k-packed-cp4        $ROW128 cp.degree=4 data.path=data/bench/tail128k.parquet data.packing=true
+RUNS
+      fi ;;
     perf)  # P-7B, one change at a time against the defaults; the first run also traces steps 9-10
       p7b_data
       P7B=(configs/bench/p7b.yaml train.max_steps="$STEPS")

@@ -2,9 +2,12 @@
 
     python scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples 512 --length 4096
     python scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4096 --lognormal 600 0.8
+    python scripts/synthetic_tokens.py --out data/bench/tail128k.parquet --samples 100 --length 131072 \
+        --min-length 1024 --lognormal 16384 1.0
 
-Fixed length (workload P-7B) or lengths round(exp(N(ln median, sigma))) clipped to [64, 4096]
-(workload V-7B), as in docs/BENCHMARKS.md, "Workloads".
+Fixed length (workload P-7B) or lengths round(exp(N(ln median, sigma))) clipped to [min-length,
+length] (workload V-7B: [64, 4096]; the long tail of issue #25: [1k, 128k]), as in
+docs/BENCHMARKS.md, "Workloads".
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--lognormal", type=float, nargs=2, metavar=("MEDIAN", "SIGMA"))
+    parser.add_argument("--min-length", type=int, default=64, help="shortest sample with --lognormal")
     parser.add_argument("--vocab", type=int, default=151_000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     if args.lognormal:
         median, sigma = args.lognormal
-        lengths = np.clip(np.round(np.exp(rng.normal(math.log(median), sigma, args.samples))), 64, args.length)
+        lengths = np.clip(np.round(np.exp(rng.normal(math.log(median), sigma, args.samples))), args.min_length,
+                          args.length)
     else:
         lengths = np.full(args.samples, args.length)
     ids, labels = [], []

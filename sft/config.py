@@ -214,6 +214,17 @@ class MoEConfig:
 
 
 @dataclass
+class CPConfig:
+    degree: int = 1
+    """Context parallelism: split every row's tokens over this many ranks (consecutive ranks, so
+    keep it within a node), for rows longer than one GPU's activations allow (python -m sft.plan
+    suggests the smallest degree that fits data.max_seq_len). Keys and values are all-gathered per
+    layer and documents of packed rows stay isolated. Must divide the number of ranks; the data
+    is spread over ranks / degree data-parallel groups, so the global batch is micro_batch_size x
+    grad_accum_steps x ranks / degree. Checkpoints resume at any degree. See README "Long context"."""
+
+
+@dataclass
 class CompileConfig:
     enabled: bool = False
     """torch.compile each decoder block (after activation checkpointing, before FSDP)."""
@@ -303,6 +314,7 @@ class Config:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ac: ACConfig = field(default_factory=ACConfig)
+    cp: CPConfig = field(default_factory=CPConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -358,6 +370,7 @@ def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "must be >= 1, or null for all rows")
     check(0.0 <= cfg.data.eval_fraction < 1.0, "data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)")
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
+    check(cfg.cp.degree >= 1, "cp.degree", cfg.cp.degree, "must be >= 1 (1 = no context parallelism)")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
     check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
           "must be >= 0, or null for the model's router_aux_loss_coef")

@@ -6,6 +6,7 @@ import math
 import torch
 from torch import nn
 
+from sft.context_parallel import ContextParallel
 from sft.data import MicroBatches
 from sft.distributed import DistEnv, all_reduce_sum
 from sft.loss import loss_inputs
@@ -13,23 +14,26 @@ from sft.masking import IGNORE_INDEX
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env: DistEnv) -> float:
-    """Mean CE per supervised token over the eval set, samples spread round-robin over ranks.
+def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env: DistEnv,
+             cp: ContextParallel | None = None) -> float:
+    """Mean CE per supervised token over the eval set, samples spread round-robin over the
+    data-parallel ranks (each row split over its cp group's ranks).
 
     Every rank runs the same number of forward passes (FSDP's collectives need it); a rank that
     runs out of samples feeds a batch whose labels are all ignored, which adds nothing.
     """
     model.train(False)  # inference mode (dropout off), restored below
     size = len(batches.dataset)
-    mine = list(range(env.rank, size, env.world_size))
-    num_batches = math.ceil(math.ceil(size / env.world_size) / micro_batch_size)
+    dp_rank, dp_size = (cp.dp_rank, cp.dp_size) if cp is not None else (env.rank, env.world_size)
+    mine = list(range(dp_rank, size, dp_size))
+    num_batches = math.ceil(math.ceil(size / dp_size) / micro_batch_size)
     ce_sum, tokens = torch.zeros((), dtype=torch.float64, device=env.device), 0
     for b in range(num_batches):
         indices = mine[b * micro_batch_size : (b + 1) * micro_batch_size]
         batch, _ = batches(indices or [0])
         if not indices:
             batch["labels"].fill_(IGNORE_INDEX)
-        inputs = loss_inputs(batch)
+        inputs = loss_inputs(batch, cp)
         tokens += len(inputs["target_ids"])
         ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
     model.train()

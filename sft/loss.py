@@ -16,10 +16,12 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
+from sft.context_parallel import ContextParallel, attention_mask
 from sft.distributed import all_reduce_sum
 from sft.masking import IGNORE_INDEX
 from sft.model import ModelError
@@ -66,23 +68,32 @@ class LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), None
 
 
-def loss_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def loss_inputs(batch: dict[str, torch.Tensor], cp: ContextParallel | None = None) -> dict[str, torch.Tensor]:
     """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
-    predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token.
+    predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token;
+    with context parallelism, for this rank's share of each row, plus the attention layout.
 
     Selecting them with a boolean mask on the GPU would make the host wait for the forward pass
     every micro-batch (the result's size depends on the data); on the host it costs nothing.
     """
-    targets = batch["labels"][:, 1:]  # hidden state t predicts label t + 1 (labels unshifted)
+    # Hidden state t predicts label t + 1 (labels unshifted); the last one predicts nothing.
+    rows = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
+            "targets": F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)}
+    layout = {}
+    if cp is not None and cp.degree > 1:
+        rows, layout = cp.shard_rows(rows)  # targets shifted on the whole row, then split
+    targets = rows["targets"]
     sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
-    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
-            "target_rows": sample * batch["labels"].shape[1] + position, "target_ids": targets[sample, position]}
+    return {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"],
+            "target_rows": sample * targets.shape[1] + position, "target_ids": targets[sample, position], **layout}
 
 
 def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
-              target_ids: torch.Tensor) -> torch.Tensor:
+              target_ids: torch.Tensor, **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
-    hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+    attention = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
+    hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                **attention).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
     if torch.is_grad_enabled():
         return LinearCrossEntropy.apply(*args)
@@ -108,10 +119,11 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
 
 
 def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
-                     sync_each_microbatch: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     sync_each_microbatch: bool = True, cp: ContextParallel | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
     token count), both still on the device: nothing here makes the host wait for the GPU."""
-    inputs = [loss_inputs(b) for b in micro_batches]
+    inputs = [loss_inputs(b, cp) for b in micro_batches]
     router = getattr(model, "sft_router_loss", None)  # MoE: the load-balancing loss (sft/moe.py)
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens (and, for MoE, of real tokens).

@@ -106,13 +106,15 @@ class StepMetrics:
     """
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
-                 first_step_extras: dict):
+                 first_step_extras: dict, cp_degree: int = 1):
         text = model.config.get_text_config()
         self.num_params = active_parameters(model)  # MoE: the experts a token runs through, for MFU
         self.router: RouterLoss | None = getattr(model, "sft_router_loss", None)
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         self.first_step_extras = first_step_extras
+        # The ranks of a cp group share each row: each counts its 1/degree of the row's tokens.
+        self.row_share = 1 / cp_degree
         self.peak_flops = peak_bf16_flops(env.device)
         self.allocator = AllocatorStats(env.device)
         if env.device.type == "cuda" and self.peak_flops is None:
@@ -130,9 +132,9 @@ class StepMetrics:
         `micro_batches` are (batch, real tokens) pairs; `ce_sum` is this rank's summed CE,
         `supervised` the global supervised-token count, `grad_norm` the global norm.
         """
-        tokens = sum(n for _, n in micro_batches)
+        tokens = sum(n for _, n in micro_batches) * self.row_share
         flops = sum(n * flops_per_token(self.num_params, self.num_layers, self.hidden, b["input_ids"].shape[1])
-                    for b, n in micro_batches)
+                    for b, n in micro_batches) * self.row_share
         router_stats = self.router.step_stats().double().flatten().to(self.env.device) if self.router else None
         summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(self.env.device),
                                            torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64,
@@ -144,6 +146,7 @@ class StepMetrics:
         ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
             [summed, supervised.double().view(1).to(self.env.device),
              grad_norm.double().view(1).to(self.env.device)]).tolist()
+        tokens = round(tokens)
         step_time = time.perf_counter() - self._t0
         self.step_times.append(step_time)
         self.tokens_seen += int(tokens)

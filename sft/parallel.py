@@ -20,6 +20,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sft.config import DTYPES, ACConfig, ConfigError, FSDPConfig
+from sft.context_parallel import ContextParallel, apply_context_parallel
 from sft.distributed import log0
 from sft.float8 import apply_float8
 from sft.moe import ROUTING_OPS, expert_placement
@@ -176,9 +177,11 @@ def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> Devi
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac: ACConfig,
-                compile_blocks: bool, fsdp: FSDPConfig, float8: str = "none") -> None:
-    """float8 -> AC -> compile -> FSDP on a meta-device model (see the module docstring for why this
-    order). `float8` is precision.float8."""
+                compile_blocks: bool, fsdp: FSDPConfig, float8: str = "none", cp: ContextParallel | None = None) -> None:
+    """context parallelism -> float8 -> AC -> compile -> FSDP on a meta-device model (see the module
+    docstring for why this order). `float8` is precision.float8."""
+    if cp is not None and cp.degree > 1:  # swaps the attention function only; nothing wraps anything yet
+        apply_context_parallel(model, cp)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=mesh.device_type == "cpu")
     blocks = apply_ac(model, blocks, ac)

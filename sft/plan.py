@@ -128,10 +128,12 @@ def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
-               float8: bool = False, ac_mode: str = "blocks", gradients_in_forward: bool = False) -> float:
-    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch.
-    `gradients_in_forward`: count the sharded gradients as alive at the end of forward even at
-    grad-acc 1 (the allocator-retry rule of `suggest`)."""
+               float8: bool = False, ac_mode: str = "blocks", gradients_in_forward: bool = False, cp: int = 1) -> float:
+    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
+    (with context parallelism, its share of the rows). `gradients_in_forward`: count the sharded
+    gradients as alive at the end of forward even at grad-acc 1 (the allocator-retry rule of
+    `suggest`). `cp`: cp.degree; each block's attention then also keeps the K/V it all-gathered
+    from the other cp - 1 ranks (bf16) until its backward."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
     gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
@@ -144,6 +146,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     per_token_layer += moe_bytes_per_token(s)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
+    per_token_layer += (cp - 1) * 2 * 2 * s.kv_dim  # the other ranks' K and V (sft/context_parallel.py)
     kept = 2 * s.hidden if ac_mode == "blocks" else ops_bytes_per_token(s, compiled, ac_mode)
     activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
@@ -251,13 +254,13 @@ def ac_label(ac_ratio: float, ac_mode: str) -> str:
 
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str,
                 gradients_in_forward: bool = False) -> float:
-    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences), ratio
-    and mode, with the grad-acc that keeps the config's global batch."""
-    tokens = micro_batch * cfg.data.max_seq_len
+    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
+    split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
+    tokens = micro_batch * -(-cfg.data.max_seq_len // cfg.cp.degree)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      cfg.precision.float8 != "none", ac_mode, gradients_in_forward) / GIB
+                      cfg.precision.float8 != "none", ac_mode, gradients_in_forward, cfg.cp.degree) / GIB
 
 
 def clear_of_retries(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ratio: float, ac_mode: str) -> bool:
@@ -283,20 +286,37 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * m.gpus
+    data_parallel = m.gpus // cfg.cp.degree
+    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
     fits = [(not clear_of_retries(s, cfg, m, micro, ratio, mode), recompute_cost(s.layers, ratio, mode), -micro,
              ratio, mode)
             for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS
-            if global_batch % (micro * m.gpus) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
+            if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None
     *_, micro, ratio, mode = min(fits)
-    return ratio, mode, -micro, global_batch // (-micro * m.gpus)
+    return ratio, mode, -micro, global_batch // (-micro * data_parallel)
+
+
+CP_DEGREES = (1, 2, 4, 8)
+
+
+def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
+    """The smallest cp.degree (within a node, dividing the GPUs) at which one row of
+    data.max_seq_len tokens per micro-batch fits with some activation checkpointing, or None."""
+    for degree in CP_DEGREES:
+        if m.gpus % degree or degree > m.gpus_on_a_node:
+            continue
+        at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
+        if any(m.fits(predict_gib(s, at, m.gpus, 1, ratio, mode)) for ratio, mode in AC_SETTINGS):
+            return degree
+    return None
 
 
 def _nothing_fits(cfg: Config, m: Machine) -> str:
     offload = "" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, "
-    return f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}or a shorter data.max_seq_len"
+    return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
+            "cp.degree or a shorter data.max_seq_len")
 
 
 def planning_model(cfg: ModelConfig) -> tuple[nn.Module, str]:
@@ -318,7 +338,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     s = Shapes.of(model)
     active = f" ({s.active_params / 1e9:.2f}B active: {s.top_k} of {s.experts} experts per token)" if s.experts else ""
     lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters{active}, {s.layers} blocks, {m.gpus} GPUs "
-             f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence, "
+             f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
+             + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
              "| micro-batch | " + " | ".join(ac_label(*setting) for setting in AC_SETTINGS) + " |",
@@ -345,24 +366,35 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     if choice:
         ratio, mode, micro, accum = choice
         lines.append(f"suggested: ac.ratio={ratio:g} ac.mode={mode} train.micro_batch_size={micro} "
-                     f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus})")
+                     f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus // cfg.cp.degree})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
+    degree = smallest_cp(s, cfg, m)
+    if degree is not None and degree != cfg.cp.degree:
+        lines.append(f"context parallelism: cp.degree={degree} is the smallest at which a row of "
+                     f"{cfg.data.max_seq_len} tokens fits (python -m sft.plan ... cp.degree={degree} for its table)")
     return "\n".join(lines), choice is not None
 
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; return a log line.
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner, and cp.degree
+    where rows do not fit at the configured one; return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes, m = Shapes.of(build_meta_model(cfg.model)), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
-    choice = suggest(shapes, cfg, m)
+    choice, note = suggest(shapes, cfg, m), ""
+    degree = smallest_cp(shapes, cfg, m)
+    if choice is None and degree is not None and degree > cfg.cp.degree:
+        # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
+        # ranks, so the global batch has fewer rows).
+        cfg.cp.degree, note = degree, f"cp.degree={degree} "
+        choice = suggest(shapes, cfg, m)
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     clear = clear_of_retries(shapes, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    return (f"plan.auto: ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} "
+    return (f"plan.auto: {note}ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} "
             f"train.micro_batch_size={cfg.train.micro_batch_size} train.grad_accum_steps={cfg.train.grad_accum_steps} (predicted {predicted:.1f} GiB per GPU"
             + ("" if clear else "; nothing fits clear of allocator retries") + ")")
 
@@ -395,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help=f"with fsdp.cpu_offload: GPUs per node (default: min(--gpus, {DEFAULT_GPUS_PER_NODE}))")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after the options
     m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)
     note = "" if args.host_mem else " (this machine's memory: pass --host-mem for the compute nodes')"
     report, fits = plan(load_config(args.config, args.overrides, local_checks=False), m, note)

@@ -23,8 +23,9 @@ from safetensors import safe_open
 from helpers import synthetic_global_batch
 from sft.collate import collate, collate_packed
 from sft.config import ACConfig, FSDPConfig, MoEConfig, ModelConfig, OptimConfig
+from sft.context_parallel import ContextParallel
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.loss import attach_sft_loss, forward_backward
+from sft.loss import attach_sft_loss, forward_backward, loss_inputs
 from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_weights, materialize,
                        real_buffers)
 from sft.moe import apply_moe
@@ -69,9 +70,12 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--reduce-dtype", default="float32")
     p.add_argument("--zero2", action="store_true", help="fsdp.reshard_after_forward=false")
     p.add_argument("--deferred-sync", action="store_true", help="fsdp.sync_grads_each_microbatch=false")
+    p.add_argument("--cp", type=int, default=1, help="cp.degree")
+    p.add_argument("--packed", action="store_true", help="each micro-batch's samples packed into one row of 128")
+    p.add_argument("--leakage-probe", action="store_true",
+                   help="instead of a step: the loss of a packed row's last document as earlier ones change")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
-    p.add_argument("--packed", action="store_true", help="each micro-batch as one packed row")
     p.add_argument("--attn", default="sdpa", help="model.attn_implementation (gpt-oss: eager)")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
     return p.parse_args(flags)
@@ -113,13 +117,15 @@ def run(args: argparse.Namespace, env) -> dict:
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
         loss.backward()
         result["loss"] = loss.item()
+        result["supervised_tokens"] = (batch["labels"][:, 1:] != -100).sum().item()
         named = dict(model.named_parameters())
     else:
         router = apply_moe(model, MoEConfig())
         mesh = build_mesh(env.device.type, env.world_size, args.replicate)
+        cp = ContextParallel.build(args.cp, env)
         parallelize(model, decoder_blocks(model), mesh, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8)
+                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, cp)
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)
@@ -131,18 +137,21 @@ def run(args: argparse.Namespace, env) -> dict:
             result["load_mismatches"] = compare_with_checkpoint(model, args.load)
             result["tied_after_load"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         attach_sft_loss(model)
+        if args.leakage_probe:
+            return leakage_probe(model, cp, env)
         block_linear = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Linear))
 
         def record_weight_dtype(module: torch.nn.Module, _inputs) -> None:
             result.setdefault("forward_weight_dtype", str(module.weight.dtype))
 
         block_linear.register_forward_pre_hook(record_weight_dtype)
-        per_rank = args.global_batch // env.world_size
-        mine = samples[env.rank * per_rank : (env.rank + 1) * per_rank]
+        per_rank = args.global_batch // cp.dp_size  # the ranks of a cp group share their samples
+        mine = samples[cp.dp_rank * per_rank : (cp.dp_rank + 1) * per_rank]
         micro = per_rank // args.grad_accum
-        batches = [collate_packed([mine[i : i + micro]], 0, 128) if args.packed else collate(mine[i : i + micro], 0, 4096)
-                   for i in range(0, per_rank, micro)]
-        ce_sum, num_tokens = forward_backward(model, batches, env.device, sync_each_microbatch=not args.deferred_sync)
+        groups = [mine[i : i + micro] for i in range(0, per_rank, micro)]
+        batches = [collate_packed([g], 0, 128) if args.packed else collate(g, 0, 4096) for g in groups]
+        ce_sum, num_tokens = forward_backward(model, batches, env.device, not args.deferred_sync, cp)
+        result["supervised_tokens"] = num_tokens.item()
         result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
         if router:
             stats = all_reduce_sum(router.step_stats(), env.device)
@@ -189,6 +198,26 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
         aux = aux + config.router_aux_loss_coef * sum(layers) / len(layers) * int(b["real_tokens"].sum()) / real
     (ce + aux).backward()
     return {"loss": ce.item(), "aux_loss": aux.item()}
+
+
+def leakage_probe(model: torch.nn.Module, cp: ContextParallel, env) -> dict:
+    """The summed loss of the last document of one packed row (three documents, only the last one
+    supervised) as it is, with the tokens of the first two replaced, and with its own first token
+    replaced (the control: the probe sees a change where there is one)."""
+    def last_document_loss(first: list[int], second: list[int], last: list[int]) -> float:
+        row = [{"input_ids": ids, "labels": [-100] * len(ids)} for ids in (first, second)]
+        row.append({"input_ids": last, "labels": [-100] + last[1:]})
+        batch = collate_packed([row], 0, sum(len(s["input_ids"]) for s in row))
+        with torch.no_grad():
+            ce = model.sft_loss(**{k: v.to(env.device) for k, v in loss_inputs(batch, cp).items()})
+        return all_reduce_sum([ce.item()], env.device)[0].item()
+
+    g = torch.Generator().manual_seed(1)
+    first, second, last, other_first, other_second = (torch.randint(3, 800, (n,), generator=g).tolist()
+                                                      for n in (13, 22, 17, 13, 22))
+    base = last_document_loss(first, second, last)
+    return {"base": base, "earlier_changed": last_document_loss(other_first, other_second, last),
+            "own_changed": last_document_loss(first, second, [(last[0] + 1) % 800, *last[1:]])}
 
 
 if __name__ == "__main__":

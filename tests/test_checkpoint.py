@@ -179,14 +179,15 @@ def test_sigusr1_to_torchrun_stops_with_a_checkpoint(tmp_path, demo_data):
 
 # How slurm/train.slurm asks a run to stop: the stop-request file (time limit), or SIGTERM through
 # torchrun with TORCH_ELASTIC_SHUTDOWN_TIMEOUT (preemption). Either way the stop-save gets its
-# time: here it is slowed to 32 s, past torchrun's default 30 s before SIGKILL.
-STOP_WAYS = {"stop-request file": {}, "SIGTERM": {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}}
+# time: (environment, seconds each save is slowed by). Through torchrun it takes 32 s, past
+# torchrun's default 30 s before SIGKILL; the file involves no signal, so 4 s make it slow enough.
+STOP_WAYS = {"stop-request file": ({}, 4), "SIGTERM": ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, 32)}
 
 
 @pytest.mark.parametrize("how", list(STOP_WAYS))
 def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how):
     proc = start_in_background(demo(demo_data, tmp_path, "preempted", "train.max_steps=1000"), nproc=2,
-                               env={**with_test_hooks(SFT_TEST_SLOW_SAVE_S="32"), **STOP_WAYS[how]})
+                               env={**with_test_hooks(SFT_TEST_SLOW_SAVE_S=str(STOP_WAYS[how][1])), **STOP_WAYS[how][0]})
     run = tmp_path / "preempted"
     wait_for_step(proc, run, 2)
     if how == "SIGTERM":

@@ -49,6 +49,14 @@ EQUIVALENT = [
     # bf16 reduce-scatter: each gradient is rounded to bf16 (8 bits of mantissa) once per reduction
     # (relative error ~2**-8; gradients near zero get the absolute tolerance).
     ("bf16 gradient reduce", "untied", 2, ["--grad-accum", "2", "--reduce-dtype", "bfloat16"], 2e-2, 1e-3),
+    # Context parallelism: each row split over the cp ranks (lengths 12-47 tokens, padded to what
+    # the split needs), K/V all-gathered, documents of packed rows isolated by the mask.
+    ("cp 2, padded rows", "untied", 2, ["--cp", "2", "--grad-accum", "2"], 1e-5, 1e-7),
+    ("cp 2, packed rows", "untied", 2, ["--cp", "2", "--grad-accum", "4", "--packed"], 1e-5, 1e-7),
+    ("cp 2, tied, checkpointed and compiled blocks", "tied", 2,
+     ["--cp", "2", "--grad-accum", "2", "--ac-ratio", "1", "--compile"], 1e-5, 1e-7),
+    ("cp 4, packed rows", "untied", 4, ["--cp", "4", "--grad-accum", "4", "--packed"], 1e-5, 1e-7),
+    ("cp 2 x dp 2 (HSDP 2 x 2)", "untied", 4, ["--cp", "2", "--grad-accum", "2", "--replicate", "2"], 1e-5, 1e-7),
 ]
 
 
@@ -57,6 +65,7 @@ EQUIVALENT = [
 def test_fsdp_equals_single_process_reference(runs, name, tie, nproc, flags, rtol, atol):
     ref, run = runs(f"reference {tie}"), runs(name)
     assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)  # the forward is fp32 in every row
+    assert run["supervised_tokens"] == ref["supervised_tokens"]  # each counted once, whatever the layout
     assert_grads_close(run["grads"], ref["grads"], rtol=rtol, atol=atol)
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref["grads"].values()])).item()
     assert run["grad_norm"] == pytest.approx(ref_norm, rel=rtol)
@@ -83,6 +92,15 @@ def test_logged_loss_is_layout_invariant(tmp_path, demo_data):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert list(evals1) == list(evals2) == [0, 2, 4]
     assert list(evals2.values()) == pytest.approx(list(evals1.values()), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_context_parallel_documents_do_not_see_each_other(runs):
+    """cp 2, one packed row of three documents: replacing every token of the first two leaves the
+    last one's loss exactly as it was; replacing one of its own input tokens changes it."""
+    probe = runs("cp leakage probe")
+    assert probe["earlier_changed"] == probe["base"]
+    assert abs(probe["own_changed"] - probe["base"]) > 1e-3
 
 
 @pytest.mark.slow
@@ -132,18 +150,19 @@ def runs(tmp_path_factory, models):
     state per run (seed, compile caches); every run uses the same global batch."""
     out = tmp_path_factory.mktemp("runs")
     model = {tie: ["--model", str(path)] for tie, path in models.items()}
-    one = {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied")}
-    two = {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
-           "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"]}
+    launches = {1: {f"reference {tie}": [*model[tie], "--reference"] for tie in models}, 4: {},
+                2: {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
+                    "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"],
+                    "cp leakage probe": [*model["untied"], "--cp", "2", "--leakage-probe"]}}
     for name, tie, nproc, flags, *_ in EQUIVALENT:
-        (one if nproc == 1 else two)[name] = [*model[tie], *flags]
+        launches[nproc][name] = [*model[tie], *flags]
     for name, moe, nproc, flags in MOE_RUNS:
-        (one if nproc == 1 else two)[name] = [*model[moe], *flags]
+        launches[nproc][name] = [*model[moe], *flags]
     for name, ac_flags, flags in AC_EQUAL_TO_NONE:
-        two[baseline(flags)] = [*model["untied"], *flags]
-        two[name] = [*model["untied"], *flags, *ac_flags]
-    launch(out, 1, one)
-    launch(out, 2, two)
+        launches[2][baseline(flags)] = [*model["untied"], *flags]
+        launches[2][name] = [*model["untied"], *flags, *ac_flags]
+    for nproc, runs_of_launch in launches.items():
+        launch(out, nproc, runs_of_launch)
     return lambda name: torch.load(out / f"{name}.pt")
 
 
