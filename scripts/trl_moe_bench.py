@@ -63,6 +63,8 @@ def train(args: argparse.Namespace) -> None:
         max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=gpu, use_cpu=not gpu,
         logging_steps=1, save_strategy="no", report_to=[], max_length=args.seq, packing=False,
         completion_only_loss=True, dataloader_num_workers=0, seed=0, fsdp="full_shard auto_wrap" if gpu else "",
+        # TRL turns gradient checkpointing on by default; with FSDP, its own activation_checkpointing does it.
+        gradient_checkpointing=not gpu and args.ac == "full",
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer], "reshard_after_forward": True,
                      "activation_checkpointing": args.ac == "full", "state_dict_type": "SHARDED_STATE_DICT"}
         if gpu else None,
