@@ -209,8 +209,9 @@ class MoEConfig:
     """Train the routers. False freezes them (the load-balancing loss then only reaches the hidden
     states through the router's input; set aux_loss_coef: 0 to drop it)."""
     router_fp32: bool = True
-    """Compute router logits, softmax and top-k in float32 from the gathered router weight, as
-    Qwen3-MoE and Mixtral were trained; false computes the logits in fsdp.param_dtype."""
+    """Compute router logits, softmax and top-k in float32 from the upcast hidden states and gathered
+    router weight (under fsdp.param_dtype=bfloat16 that weight is its bf16-rounded copy), so close
+    scores pick experts as a float32 model would; false computes the logits in fsdp.param_dtype."""
 
 
 @dataclass

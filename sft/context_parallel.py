@@ -42,13 +42,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from sft.config import ConfigError
 from sft.distributed import DistEnv, log0
 from sft.masking import IGNORE_INDEX
+from sft.moe import expert_shape
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 # The attention implementation name under which transformers calls `_attention`.
 CP_ATTENTION = "sft_context_parallel"
-# The keys `shard_rows` adds to a micro-batch's loss inputs, all read by `attention_mask`.
-LAYOUT_KEYS = ("query_index", "key_index", "query_doc", "key_doc")
 
 
 @dataclass(frozen=True)
@@ -100,14 +99,20 @@ class ContextParallel:
                 {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]})
 
 
+def visible_keys(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
+                 key_doc: torch.Tensor):
+    """The mask as a flex-attention mask_mod: local query q sees gathered key k when k comes no later
+    in the whole row and belongs to the same document."""
+    def sees(b, h, q, k):
+        return (key_index[k] <= query_index[q]) & (key_doc[b, k] == query_doc[b, q])
+    return sees
+
+
 def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
                    key_doc: torch.Tensor) -> BlockMask | torch.Tensor:
     """Which gathered keys each local query sees (the arguments from `shard_rows`, on the device):
     a flex-attention block mask on GPUs, the same mask as a dense [rows, 1, q, k] tensor on CPU."""
-
-    def sees(b, h, q, k):  # causal on whole-row order, within one document
-        return (key_index[k] <= query_index[q]) & (key_doc[b, k] == query_doc[b, q])
-
+    sees = visible_keys(query_index, key_index, query_doc, key_doc)
     rows, queries, keys, device = query_doc.shape[0], query_index.shape[0], key_index.shape[0], query_doc.device
     if device.type == "cpu":
         return create_mask(sees, rows, None, queries, keys, device=device)
@@ -116,19 +121,20 @@ def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc
 
 @functools.cache
 def _compiled_flex_attention():
-    """Flex attention runs as a fused kernel only compiled; inside a compiled block this inlines."""
-    return torch.compile(flex_attention, dynamic=False)
+    """Flex attention runs as a fused kernel only compiled; inside a compiled block this inlines.
+    Compiled like any function (dynamic after a second length), so unpacked rows of many lengths
+    do not exhaust the recompile limit."""
+    return torch.compile(flex_attention)
 
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
                group_name: str, cp_mask: BlockMask | torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q [rows, heads, local, dim], k/v [rows, kv heads, local,
-    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row."""
+    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row. `dropout` is
+    always 0: models with attention dropout are refused (`unsupported`)."""
     if cp_mask is None:
         raise RuntimeError("context-parallel attention called without cp_mask (use model.sft_loss)")
-    if dropout:
-        raise ConfigError("cp.degree > 1: attention dropout is not supported; set the model's attention_dropout to 0")
     # One collective for K and V, gathered along dim 0 (the only dim every torch version gathers
     # along without an extra copy): [local, 2, rows, kv heads, dim] -> [whole row, ...].
     local = torch.stack([key, value]).movedim(3, 0).contiguous()
@@ -142,19 +148,28 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(1, 2).contiguous(), None
 
 
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why context parallelism cannot split this model's rows, or None. The one rule: train.py
+    refuses these, and the planner never suggests a cp.degree for them."""
+    config = model.config.get_text_config()
+    if expert_shape(model):  # the load-balancing statistics count whole rows (sft/moe.py)
+        return "mixture-of-experts models are not supported yet"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)
+            or getattr(config, "attn_logit_softcapping", None)):
+        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is not supported (set the model's attention_dropout to 0)"
+    return None
+
+
 def apply_context_parallel(model: PreTrainedModel, cp: ContextParallel) -> None:
     """Route the model's attention through `_attention` over `cp`'s group (before anything wraps
     or compiles the blocks). transformers then builds no mask of its own: `_sft_loss` passes
     `cp_mask` down to every attention call."""
-    if getattr(model, "sft_router_loss", None):  # its balancing statistics count whole rows (sft/moe.py)
-        raise ConfigError(f"cp.degree={cp.degree}: context parallelism does not support mixture-of-experts models yet; "
-                          "use cp.degree=1")
-    config = model.config
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)
-            or getattr(config, "attn_logit_softcapping", None)):
-        raise ConfigError(f"cp.degree={cp.degree}: {type(model).__name__} has sliding-window or soft-capped attention "
-                          "layers, which context parallelism does not support; use cp.degree=1")
+    reason = unsupported(model)
+    if reason:
+        raise ConfigError(f"cp.degree={cp.degree}: {reason}; use cp.degree=1")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=cp.group_name))
     model.config._attn_implementation = CP_ATTENTION
     log0(f"applied context parallelism: each row split over {cp.degree} ranks (head-tail), K/V all-gathered")

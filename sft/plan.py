@@ -48,6 +48,7 @@ from torch import nn
 
 from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
 from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config, run_command
+from sft.context_parallel import unsupported
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import ModelError, build_meta_model, decoder_blocks
 from sft.moe import active_parameters, expert_shape
@@ -85,6 +86,7 @@ class Shapes:
     experts: int = 0
     top_k: int = 0
     active_params: int = 0
+    context_parallel: bool = True  # whether rows can be split (sft/context_parallel.py:unsupported)
 
     @classmethod
     def of(cls, model: nn.Module) -> Shapes:
@@ -97,7 +99,8 @@ class Shapes:
         return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
-                   tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model))
+                   tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
+                   unsupported(model) is None)
 
 
 def moe_bytes_per_token(s: Shapes) -> int:
@@ -303,8 +306,9 @@ CP_DEGREES = (1, 2, 4, 8)
 
 def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
     """The smallest cp.degree (within a node, dividing the GPUs) at which one row of
-    data.max_seq_len tokens per micro-batch fits with some activation checkpointing, or None."""
-    for degree in CP_DEGREES:
+    data.max_seq_len tokens per micro-batch fits with some activation checkpointing, or None; only
+    1 for a model whose rows cannot be split."""
+    for degree in CP_DEGREES if s.context_parallel else (1,):
         if m.gpus % degree or degree > m.gpus_on_a_node:
             continue
         at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))

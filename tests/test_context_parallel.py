@@ -3,6 +3,7 @@ cp 2 trains as cp 1 on the same global batches, and a checkpoint resumes at anot
 single-process Hugging Face reference, packed and padded) and the leakage probe are in
 test_distributed.py; the planner's cp rows in test_plan.py."""
 
+import json
 import shutil
 
 import pytest
@@ -10,7 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import eval_losses, run_demo, train_losses
-from sft.context_parallel import ContextParallel, attention_mask
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from helpers import DEMO_MODEL
+from sft.config import ConfigError, ModelConfig
+from sft.context_parallel import ContextParallel, apply_context_parallel, attention_mask, unsupported, visible_keys
+from sft.model import build_meta_model
 from sft.metrics import read_metrics
 
 
@@ -53,6 +59,51 @@ def layouts(tmp_path_factory, demo_data):
     for name, nproc, cp in LAYOUTS:
         demo_cp(demo_data, out, name, nproc, cp)
     return out
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # slow and exact: fine here
+def test_the_gpu_block_mask_attends_as_the_whole_row_does():
+    """What GPUs run (flex attention with the block mask, forward only: flex has no CPU backward):
+    one packed row of three documents (150, 250, 200 tokens: blocks of 128 straddle the document
+    and chunk boundaries), cp 2, each rank's queries against the gathered K/V, equal to causal
+    attention within each document over the whole row, and to the dense mask the CPU path uses."""
+    torch.manual_seed(0)
+    lengths, heads, kv_heads, dim = (150, 250, 200), 4, 2, 16
+    positions = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
+    length = positions.shape[1]
+    q, k, v = (torch.randn(1, h, length, dim) for h in (heads, kv_heads, kv_heads))
+    document = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    whole_row = (document[:, None] == document[None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=whole_row, enable_gqa=True)
+    rows = {"input_ids": torch.zeros(1, length, dtype=torch.long), "position_ids": positions,
+            "targets": torch.zeros(1, length, dtype=torch.long)}
+    for rank in range(2):
+        _, layout = ContextParallel(degree=2, rank=rank).shard_rows(rows)
+        mine, keys = layout["query_index"], layout["key_index"]
+        block_mask = create_block_mask(visible_keys(**layout), 1, None, len(mine), len(keys), device="cpu")
+        with torch.no_grad():
+            flex = flex_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys], block_mask=block_mask, enable_gqa=True)
+        dense = F.scaled_dot_product_attention(q[:, :, mine], k[:, :, keys], v[:, :, keys],
+                                               attn_mask=attention_mask(**layout), enable_gqa=True)
+        torch.testing.assert_close(flex, expected[:, :, mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense, expected[:, :, mine], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("configs/models/qwen3-30b-a3b", "mixture-of-experts models are not supported yet"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "has sliding-window or soft-capped attention layers"),
+    ({"attention_dropout": 0.1}, "attention dropout is not supported"),
+], ids=["MoE", "sliding window", "attention dropout"])
+def test_models_whose_rows_cannot_be_split_are_refused_by_name(model, reason, tmp_path):
+    if isinstance(model, dict):  # the demo model with these config keys changed
+        (tmp_path / "config.json").write_text(json.dumps({**json.loads((DEMO_MODEL / "config.json").read_text()),
+                                                          **model}))
+        model = str(tmp_path)
+    meta = build_meta_model(ModelConfig(name_or_path=model))
+    assert reason in unsupported(meta)
+    with pytest.raises(ConfigError, match=f"cp.degree=2: .*{reason}.*; use cp.degree=1"):
+        apply_context_parallel(meta, ContextParallel(degree=2))
+    assert unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL)))) is None
 
 
 @pytest.mark.slow
