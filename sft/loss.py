@@ -25,6 +25,7 @@ from sft.context_parallel import ContextParallel, attention_mask
 from sft.distributed import all_reduce_sum
 from sft.masking import IGNORE_INDEX
 from sft.model import ModelError
+from sft.moe import router_loss
 
 # Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
 LOGITS_PER_CHUNK = 2**28
@@ -124,7 +125,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
     token count), both still on the device: nothing here makes the host wait for the GPU."""
     inputs = [loss_inputs(b, cp) for b in micro_batches]
-    router = getattr(model, "sft_router_loss", None)  # MoE: the load-balancing loss (sft/moe.py)
+    router = router_loss(model)  # MoE: the load-balancing loss (sft/moe.py)
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens (and, for MoE, of real tokens).
     counts = [sum(len(x["target_ids"]) for x in inputs)]

@@ -16,7 +16,7 @@ import torch
 
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0
-from sft.moe import RouterLoss, active_parameters
+from sft.moe import RouterLoss, active_parameters, router_loss
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
 # text is in torch.cuda.get_device_name() (so the specific "H100 PCIe" comes before "H100").
@@ -109,7 +109,7 @@ class StepMetrics:
                  first_step_extras: dict, cp_degree: int = 1):
         text = model.config.get_text_config()
         self.num_params = active_parameters(model)  # MoE: the experts a token runs through, for MFU
-        self.router: RouterLoss | None = getattr(model, "sft_router_loss", None)
+        self.router = router_loss(model)
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         self.first_step_extras = first_step_extras

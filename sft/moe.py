@@ -253,6 +253,11 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> RouterLoss | None:
     return model.sft_router_loss
 
 
+def router_loss(model: nn.Module) -> RouterLoss | None:
+    """The RouterLoss `apply_moe` gave the model, None for a dense model."""
+    return getattr(model, "sft_router_loss", None)
+
+
 def active_parameters(model: nn.Module) -> int:
     """Parameters one token's forward uses: all, less the experts it is not routed to (= all for a
     dense model). The MFU numerator counts these (6 x active parameters per token)."""

@@ -23,7 +23,7 @@ from sft.config import DTYPES, ACConfig, ConfigError, FSDPConfig
 from sft.context_parallel import ContextParallel, apply_context_parallel
 from sft.distributed import log0
 from sft.float8 import apply_float8
-from sft.moe import ROUTING_OPS, expert_placement
+from sft.moe import ROUTING_OPS, expert_placement, router_loss
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
     """0-based indices of the blocks to checkpoint for `ratio`, spread evenly over depth.
@@ -118,7 +118,7 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig) -> list[nn
     options = {}
     if ac.mode in OPS_KEEP_EVERY:
         options["context_fn"] = functools.partial(_op_level_context, OPS_KEEP_EVERY[ac.mode])
-    elif getattr(model, "sft_router_loss", None):
+    elif router_loss(model):
         options["context_fn"] = _routing_kept_context
     wrapped = []
     for i, block in enumerate(blocks):
@@ -149,7 +149,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
     options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                              reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
-    if getattr(model, "sft_router_loss", None):  # MoE: expert weights sharded over experts, or rows
+    if router_loss(model):  # MoE: expert weights sharded over experts, or rows
         options["shard_placement_fn"] = expert_placement(mesh.shape[-1])
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them.
