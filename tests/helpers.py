@@ -8,9 +8,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft.config import run_command
 from sft.masking import IGNORE_INDEX
@@ -169,3 +171,15 @@ def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
 def eval_losses(run_dir: Path) -> list[float]:
     _, evals = read_metrics(run_dir)
     return [evals[step] for step in sorted(evals)]
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that run inside it, by name (e.g. what a checkpointed block recomputes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

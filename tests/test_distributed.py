@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DEMO_MODEL, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
+from helpers import DEMO_MODEL, OpCounter, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
 from sft.config import ACConfig, ModelConfig
 from sft.metrics import read_metrics
 from sft.model import build_meta_model, decoder_blocks
@@ -175,16 +174,6 @@ def test_activation_checkpointing_gradients_are_bitwise_equal(runs, name, ac_fla
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _demo_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -199,7 +188,7 @@ def _backward_ops(ac: ACConfig) -> Counter:
     model = _demo_model()
     apply_ac(model, decoder_blocks(model), ac)
     ids = torch.randint(0, 500, (2, 16))
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         loss = model(input_ids=ids, labels=ids).loss
         forward = Counter(counter.counts)
         loss.backward()

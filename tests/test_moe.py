@@ -11,9 +11,8 @@ from collections import Counter
 import pytest
 import torch
 from safetensors import safe_open
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DEMO_MOE_MODEL, REPO, gpt_oss_model_dir, moe_model_dir, run_torchrun
+from helpers import DEMO_MOE_MODEL, REPO, OpCounter, gpt_oss_model_dir, moe_model_dir, run_torchrun
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.metrics import read_metrics
 from sft.model import SafetensorsWeights, build_meta_model, decoder_blocks
@@ -62,16 +61,6 @@ def test_experts_dispatch_and_combine_equal_hf_eager():
     torch.testing.assert_close(expert_outputs(block.experts, x, top_w, top_i), expected, rtol=1e-5, atol=1e-6)
 
 
-class _Calls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half"])
 def test_checkpoint_recomputation_does_not_route_again(mode):
     """With every block checkpointed, backward recomputes the blocks but never the top-k: the
@@ -82,7 +71,7 @@ def test_checkpoint_recomputation_does_not_route_again(mode):
     ids = torch.randint(0, 800, (2, 16))
     router.begin_step(torch.tensor(32.0))
     router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
-    with _Calls() as calls:
+    with OpCounter() as calls:
         loss = model(input_ids=ids, labels=ids).loss
         forward = Counter(calls.counts)
         loss.backward()
