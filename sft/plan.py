@@ -387,8 +387,8 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes, m = Shapes.of(build_meta_model(cfg.model)), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
-    degree = smallest_cp(shapes, cfg, m)
-    if choice is None and degree is not None and degree > cfg.cp.degree:
+    degree = smallest_cp(shapes, cfg, m) if choice is None else None
+    if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
         # ranks, so the global batch has fewer rows).
         cfg.cp.degree, note = degree, f"cp.degree={degree} "
