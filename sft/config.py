@@ -189,13 +189,15 @@ class ACConfig:
     ratio: float = 0.0
     """Fraction of decoder blocks wrapped in activation checkpointing, spread evenly over depth
     (0 = none, 1 = all). See sft/parallel.py:ac_block_indices for the exact blocks."""
-    mode: Literal["blocks", "ops", "ops_half"] = "blocks"
+    mode: Literal["blocks", "ops", "ops_half", "attention"] = "blocks"
     """How a checkpointed block saves memory. blocks: keep only its input and recompute the whole
     block in backward (least memory). ops: keep the outputs of its matmuls and of attention (output
     and log-sum-exp) and recompute only the cheap ops around them (norms, rotary, SiLU): almost no
     recomputation, ~70% of an unchecked block's activations on Qwen2.5-7B shapes. ops_half: the same
-    but every second matmul is recomputed (TorchTitan's default): ~40% of the activations. python -m
-    sft.plan shows the memory of each; works with compile, float8, packing and FSDP2."""
+    but every second matmul is recomputed (TorchTitan's default): ~40% of the activations. attention:
+    keep only attention's output and log-sum-exp and recompute everything else, matmuls included:
+    at long context the most expensive kernel is not rerun, for one more bf16 vector per token per
+    block. python -m sft.plan shows the memory of each; works with compile, float8, packing and FSDP2."""
 
 
 @dataclass

@@ -81,7 +81,9 @@ def _expensive_ops() -> tuple[frozenset, frozenset]:
 # 1st, 3rd, ... (TorchTitan's default): in a Llama/Qwen block (q, k, v, o, gate, up, down) that is
 # q, v, gate and down, and recomputes k, o and up, ~35% of the block's matmul FLOPs, at ~40% of the
 # activations; it is the op-level setting that fits where memory is tight (sft/plan.py sizes both).
-OPS_KEEP_EVERY = {"ops": 1, "ops_half": 2}
+# attention keeps no matmul (0): only attention's output, which at 32k tokens is a third of a block's
+# forward FLOPs, for one bf16 vector per token.
+OPS_KEEP_EVERY = {"ops": 1, "ops_half": 2, "attention": 0}
 
 
 def _op_level_context(every: int) -> tuple:
@@ -94,7 +96,7 @@ def _op_level_context(every: int) -> tuple:
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in matmuls:
             seen[ctx.is_recompute] += 1
-            keep = (seen[ctx.is_recompute] - 1) % every == 0
+            keep = every > 0 and (seen[ctx.is_recompute] - 1) % every == 0
         else:
             keep = func in others
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE

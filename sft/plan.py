@@ -20,10 +20,10 @@ intermediate sizes) plus the dispatch and router buffers (moe_bytes_per_token); 
 weights are all experts' (FSDP gathers whole blocks). Not yet checked against measured MoE peaks.
 With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
-matmuls and attention produce, all or every second matmul with ops_half (ops_bytes_per_token;
-float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory planner" compares the predictions with 23
-measured peaks (0.5B-72B widths, with and without offload and float8). Other architectures are
-estimates: leave a margin.
+matmuls and attention produce, all or every second matmul with ops_half, attention's only with
+attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
+planner" compares the predictions with 23 measured peaks (0.5B-72B widths, with and without
+offload and float8). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
@@ -113,7 +113,7 @@ def moe_bytes_per_token(s: Shapes) -> int:
 
 
 def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
-    """Bytes per token a block checkpointed with ac.mode=ops or ops_half keeps until its backward,
+    """Bytes per token a block checkpointed at op level (ac.mode other than blocks) keeps until its backward,
     for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
     ops: its input (h), the q/k/v projections (h + 2 kv; rotary is recomputed from them),
     attention's output (h) and log-sum-exp (float32 per head), the o projection (h: the residual sum
@@ -121,7 +121,10 @@ def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
     q, v and gate of those (k, o and up are recomputed): input, q, v, attention, gate. All bf16.
     Compiled, the partitioner keeps only what backward reads; eager, selective checkpointing also
     caches the down projection's output (h), which backward never reads. tests/test_distributed.py
-    checks these counts against what a real block keeps."""
+    checks these counts against what a real block keeps. attention keeps the input and attention's
+    output and log-sum-exp, compiled or not."""
+    if ac_mode == "attention":
+        return 2 * 2 * s.hidden + 4 * s.heads
     if ac_mode == "ops":
         saved = 4 * s.hidden + 2 * s.ffn + 2 * s.kv_dim
     else:
@@ -243,7 +246,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 # (float8) against whole blocks, its extra memory costing allocator retries (docs/BENCHMARKS.md), and
 # ops never fit there. Until a measurement shows a gain, plan.auto weighs them as whole blocks: it
 # then prefers the larger micro-batch, and whole blocks at equal cost.
-RECOMPUTE = {"blocks": 1.0, "ops": 1.0, "ops_half": 1.0}
+RECOMPUTE = {"blocks": 1.0, "ops": 1.0, "ops_half": 1.0, "attention": 1.0}
 
 
 def recompute_cost(layers: int, ac_ratio: float, ac_mode: str) -> float:
@@ -292,12 +295,12 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     data_parallel = m.gpus // cfg.cp.degree
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
     fits = [(not clear_of_retries(s, cfg, m, micro, ratio, mode), recompute_cost(s.layers, ratio, mode), -micro,
-             ratio, mode)
+             MODES.index(mode), ratio, mode)
             for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None
-    *_, micro, ratio, mode = min(fits)
+    *_, micro, _, ratio, mode = min(fits)
     return ratio, mode, -micro, global_batch // (-micro * data_parallel)
 
 

@@ -122,6 +122,7 @@ AC_EQUAL_TO_NONE = [
     ("ops, ratio 0.5", ["--ac-ratio", "0.5", "--ac-mode", "ops"], []),
     ("ops, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops"], []),
     ("ops_half, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops_half"], []),
+    ("attention, ratio 1", ["--ac-ratio", "1", "--ac-mode", "attention"], []),
     ("ops, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops"],
      ["--float8", "tensorwise", "--param-dtype", "bfloat16"]),
     ("ops_half, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops_half"],
@@ -131,6 +132,7 @@ AC_EQUAL_TO_NONE = [
     # bounds that); whether the matmuls were kept or recomputed must not change a bit.
     ("compiled: ops as blocks", ["--ac-mode", "ops"], ["--compile", "--ac-ratio", "1"]),
     ("compiled: ops_half as blocks", ["--ac-mode", "ops_half"], ["--compile", "--ac-ratio", "1"]),
+    ("compiled: attention as blocks", ["--ac-mode", "attention"], ["--compile", "--ac-ratio", "1"]),
     ("compiled float8: ops as blocks", ["--ac-mode", "ops"],
      ["--compile", "--ac-ratio", "1", "--float8", "tensorwise", "--param-dtype", "bfloat16"]),
 ]
@@ -198,8 +200,8 @@ def _backward_ops(ac: ACConfig) -> Counter:
 # What each mode recomputes per checkpointed block (eager), beyond the backward of an unchecked one:
 # (mode, matmuls, attention kernels, SiLUs). Whole blocks rerun q, k, v, o, gate and up (checkpoint
 # stops before down, whose output backward never reads); ops reruns no matmul and no attention;
-# ops_half reruns k, o and up.
-RECOMPUTED_PER_BLOCK = [("blocks", 6, 1, 1), ("ops", 0, 0, 1), ("ops_half", 3, 0, 1)]
+# ops_half reruns k, o and up; attention reruns what whole blocks do but attention.
+RECOMPUTED_PER_BLOCK = [("blocks", 6, 1, 1), ("ops", 0, 0, 1), ("ops_half", 3, 0, 1), ("attention", 6, 0, 1)]
 
 
 @pytest.mark.parametrize("mode, matmuls, attention, silu", RECOMPUTED_PER_BLOCK,
@@ -212,7 +214,7 @@ def test_op_level_checkpointing_recomputes_only_the_cheap_ops(mode, matmuls, att
     assert ac["silu"] - plain["silu"] == blocks * silu
 
 
-@pytest.mark.parametrize("mode, per_token", [("ops", 2832), ("ops_half", 1680)])
+@pytest.mark.parametrize("mode, per_token", [("ops", 2832), ("ops_half", 1680), ("attention", 528)])
 def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
     """The bytes per token a compiled checkpointed block hands from forward to backward (the
     partitioner's choice under the policy; bf16, log-sum-exp float32) are the planner's count."""

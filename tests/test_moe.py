@@ -61,7 +61,7 @@ def test_experts_dispatch_and_combine_equal_hf_eager():
     torch.testing.assert_close(expert_outputs(block.experts, x, top_w, top_i), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half"])
+@pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half", "attention"])
 def test_checkpoint_recomputation_does_not_route_again(mode):
     """With every block checkpointed, backward recomputes the blocks but never the top-k: the
     routing decision is saved (the 2-rank rows check the gradients are bitwise those without AC)."""

@@ -76,12 +76,15 @@ def test_more_checkpointing_and_more_gpus_need_less_memory(qwen7b):
 # (h 3584, ffn 18944, kv 512, 28 heads): (mode, compiled) -> bytes. Compiled, ops keeps input, q,
 # attention output and o (4 h), gate and up (2 ffn), k and v (2 kv) in bf16 and the float32
 # log-sum-exp per head; ops_half keeps input, q, attention (3 h), gate (ffn) and v (kv). Eager adds
-# the down projection's output (h). An unchecked compiled block keeps 151,552 (5 h + 3 ffn + 2 kv).
+# the down projection's output (h); attention keeps input and attention output (2 h) either way. An
+# unchecked compiled block keeps 151,552 (5 h + 3 ffn + 2 kv).
 OPS_BYTES_7B = {
     ("ops", True): 2 * (4 * 3584 + 2 * 18944 + 2 * 512) + 4 * 28,
     ("ops_half", True): 2 * (3 * 3584 + 18944 + 512) + 4 * 28,
     ("ops", False): 2 * (5 * 3584 + 2 * 18944 + 2 * 512) + 4 * 28,
     ("ops_half", False): 2 * (4 * 3584 + 18944 + 512) + 4 * 28,
+    ("attention", True): 2 * (2 * 3584) + 4 * 28,
+    ("attention", False): 2 * (2 * 3584) + 4 * 28,
 }
 
 
@@ -89,7 +92,7 @@ def test_every_ac_mode_has_a_policy_and_a_cost():
     from sft.parallel import OPS_KEEP_EVERY
     from sft.plan import MODES, RECOMPUTE
 
-    assert MODES == ("blocks", "ops", "ops_half")
+    assert MODES == ("blocks", "ops", "ops_half", "attention")
     assert set(RECOMPUTE) == set(MODES) == {"blocks", *OPS_KEEP_EVERY}
 
 
