@@ -48,27 +48,27 @@ def peak_bf16_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-
-
 class AllocatorStats:
-    """The CUDA caching allocator's numbers for each step: the peak it reserved (allocated + cached
-    blocks; peak_memory_gib counts allocated only) and how many retries this step needed (an
+    """The CUDA caching allocator's numbers for each step, then the next step's peaks start afresh:
+    the peak allocated (peak_memory_gib; a step's own, so the step that peaks can be found), the
+    peak it reserved (allocated + cached blocks) and how many retries this step needed (an
     allocation that did not fit made it free its cached blocks and try again, which synchronises
     the GPU). A run near the memory limit can be slower at the same peak_memory_gib because of
-    them (issue #24); sft/plan.py:clear_of_retries is the planner's rule against it. Nothing on CPU."""
+    them (issue #24); sft/plan.py:clear_of_retries is the planner's rule against it. On CPU only
+    peak_memory_gib, 0."""
 
     def __init__(self, device: torch.device):
         self.device, self.retries = device, 0
 
     def step(self) -> dict:
         if self.device.type != "cuda":
-            return {}
+            return {"peak_memory_gib": 0.0}
         stats = torch.cuda.memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
         retries, before = stats.get("num_alloc_retries", 0), self.retries
         self.retries = retries
-        return {"peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30, "alloc_retries": retries - before}
+        return {"peak_memory_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+                "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30, "alloc_retries": retries - before}
 
 
 _IMPORTED_AT = time.time()
@@ -155,7 +155,7 @@ class StepMetrics:
                  "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": self.tokens_seen,
                  "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
-                 "peak_memory_gib": peak_memory_gib(self.env.device), **self.allocator.step()}
+                 **self.allocator.step()}
         if self.router:
             entry.update(RouterLoss.summary(router_stats))
         if self.peak_flops:

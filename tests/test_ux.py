@@ -44,16 +44,20 @@ def test_readme_documents_exactly_the_metrics_keys():
 def test_allocator_retries_are_counted_per_step(monkeypatch):
     """On GPUs each step logs the allocator's peak reserved memory and the retries of that step (the
     allocator's counter is cumulative); on CPU nothing."""
-    stats = iter([{"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30},
-                  {"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30},
-                  {"num_alloc_retries": 5, "reserved_bytes.all.peak": 72 * 2**30}])
+    stats = iter([{"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30, "allocated_bytes.all.peak": 2**32},
+                  {"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30, "allocated_bytes.all.peak": 2**31},
+                  {"num_alloc_retries": 5, "reserved_bytes.all.peak": 72 * 2**30, "allocated_bytes.all.peak": 2**31}])
+    resets = []
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: next(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
     allocator = AllocatorStats(torch.device("cuda", 0))
     steps = [allocator.step() for _ in range(3)]
     assert [s["alloc_retries"] for s in steps] == [3, 0, 2]
     assert [s["peak_reserved_gib"] for s in steps] == [70.0, 70.0, 72.0]
-    assert set(steps[0]) == set(ALLOCATOR_KEYS)
-    assert AllocatorStats(torch.device("cpu")).step() == {}
+    assert [s["peak_memory_gib"] for s in steps] == [4.0, 2.0, 2.0]
+    assert len(resets) == 3  # each step's peaks are its own
+    assert set(steps[0]) == {"peak_memory_gib", *ALLOCATOR_KEYS}
+    assert AllocatorStats(torch.device("cpu")).step() == {"peak_memory_gib": 0.0}
     entry = {"step": 3, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-5, "tokens_per_s_per_gpu": 1e4, "step_time": 1.0,
              "eta_s": 0, **steps[2]}
     assert format_step(entry, 3).endswith("| 2 allocator retries | 1.00 s/step | ETA 0:00:00")
