@@ -166,12 +166,15 @@ for stage in "$@"; do
     attncp)  # issue #25: one cp rank's attention (cp 2) at 64k and 128k tokens per row: time and memory
       python3 scripts/bench_attention.py --batch 1 --seq 65536 131072 --cp 2 --heads 28 --kv-heads 4 --head-dim 128 \
         --iters 5 | tee runs/bench/attncp.md ;;
-    acp7b)  # P-7B bf16: the old plan.auto choice (ac 0.75) and ac 1 traced; op-level checkpointing at ac 1 and 0.75
+    acp7b)  # P-7B bf16: ac 1 to 0.5 (TRACE=1: ac 1 and 0.75 traced at steps 9-10); op-level checkpointing at ac 1 and 0.75
       p7b_data
-      ac_runs acp7b <<'RUNS'
-acp7b-ac1              configs/bench/p7b.yaml ac.ratio=1 logging.profile_steps=[9,10]
-acp7b-ac0.75           configs/bench/p7b.yaml ac.ratio=0.75 logging.profile_steps=[9,10]
+      TRACED=${TRACE:+logging.profile_steps=[9,10]}
+      ac_runs acp7b <<RUNS
+acp7b-ac1              configs/bench/p7b.yaml ac.ratio=1 $TRACED
+acp7b-ac0.75           configs/bench/p7b.yaml ac.ratio=0.75 $TRACED
+acp7b-ac0.5            configs/bench/p7b.yaml ac.ratio=0.5
 acp7b-ac1-ops_half     configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half
+acp7b-ac1-attention    configs/bench/p7b.yaml ac.ratio=1 ac.mode=attention
 acp7b-ac1-ops          configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops
 acp7b-ac0.75-ops_half  configs/bench/p7b.yaml ac.ratio=0.75 ac.mode=ops_half
 acp7b-auto             configs/bench/p7b.yaml plan.auto=true
@@ -183,6 +186,7 @@ RUNS
       p7b_data
       ac_runs acp7bf8 <<'RUNS'
 acp7bf8-ac1            configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1
+acp7bf8-ac0.75         configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.75
 acp7bf8-ac0.5          configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.5
 acp7bf8-ac1-ops_half   configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops_half
 acp7bf8-ac1-ops        configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops
@@ -206,8 +210,10 @@ RUNS
       LONG="data.path=data/bench/len32k.parquet data.max_seq_len=32768 train.micro_batch_size=1"
       STEPS=8 ac_runs ac32k <<RUNS
 ac32k-ac1              configs/bench/p7b.yaml $LONG ac.ratio=1
+ac32k-ac1-attention    configs/bench/p7b.yaml $LONG ac.ratio=1 ac.mode=attention
 ac32k-auto             configs/bench/p7b.yaml $LONG plan.auto=true
 ac32kf8-ac1            configs/bench/p7b.yaml $LONG precision.float8=tensorwise ac.ratio=1
+ac32kf8-ac1-attention  configs/bench/p7b.yaml $LONG precision.float8=tensorwise ac.ratio=1 ac.mode=attention
 ac32kf8-auto           configs/bench/p7b.yaml $LONG precision.float8=tensorwise plan.auto=true
 RUNS
       ;;
