@@ -134,12 +134,10 @@ def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
-               float8: bool = False, ac_mode: str = "blocks", gradients_in_forward: bool = False, cp: int = 1) -> float:
+               float8: bool = False, ac_mode: str = "blocks", cp: int = 1) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
-    (with context parallelism, its share of the rows). `gradients_in_forward`: count the sharded
-    gradients as alive at the end of forward even at grad-acc 1 (the allocator-retry rule of
-    `suggest`). `cp`: cp.degree; each block's attention then also keeps the K/V it all-gathered
-    from the other cp - 1 ranks (bf16) until its backward."""
+    (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
+    then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
     gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
@@ -169,7 +167,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     if cpu_offload:
         state_in_forward = state_in_backward = 2 * 4 * s.block_params / shard_ranks
     else:
-        state_in_forward = (12 if grad_accum == 1 and not gradients_in_forward else 16) * s.params / shard_ranks
+        state_in_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks
         state_in_backward = 16 * s.params / shard_ranks
     end_of_forward = state_in_forward + gathered + activations + loss
     end_of_backward = state_in_backward + gathered + 4 * s.block_params + tokens * per_token_layer
@@ -240,67 +238,60 @@ MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
 AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
-# What a checkpointed block costs plan.auto, as a fraction of a whole block's recomputation. By their
-# FLOPs the op modes recompute far less (ops: norms, rotary, SiLU; ops_half also k, o and up, ~35% of
-# the matmuls), but measured on 2 x H100 with 7B, ops_half at ratio 1 ran +0.6% (bf16) and -2%
-# (float8) against whole blocks, its extra memory costing allocator retries (docs/BENCHMARKS.md), and
-# ops never fit there. Until a measurement shows a gain, plan.auto weighs them as whole blocks: it
-# then prefers the larger micro-batch, and whole blocks at equal cost.
-RECOMPUTE = {"blocks": 1.0, "ops": 1.0, "ops_half": 1.0, "attention": 1.0}
+# The share of a checkpointed block's recomputation that is memory-bound ops (norms, rotary, SiLU,
+# residual sums, casts), rerun in every mode: fitted on 2 x H100, P-7B bf16 (docs/BENCHMARKS.md).
+CHEAP_OPS = 0.1
 
 
-def recompute_cost(layers: int, ac_ratio: float, ac_mode: str) -> float:
-    """Recomputed work per step in block forwards: what plan.auto minimises."""
-    return len(ac_block_indices(layers, ac_ratio)) * RECOMPUTE[ac_mode]
+def recompute_fraction(s: Shapes, seq_len: int, ac_mode: str) -> float:
+    """What a block checkpointed in `ac_mode` reruns in backward, as a fraction of what a whole
+    checkpointed block reruns: the cheap ops, plus its share of the forward's FLOPs per token, the
+    matmuls (q and o: h x h each; k and v: h x kv; gate, up, down: h x ffn) and causal attention
+    (2 x seq x h). blocks reruns all, attention all matmuls, ops_half k, o and up, ops none. Measured
+    on 2 x H100, P-7B bf16 (4096 tokens): ops_half 0.45 and attention 0.85 of a whole block,
+    against 0.40 and 0.95 here; at 32k tokens attention is a third of the FLOPs."""
+    h, kv, ffn = s.hidden, s.kv_dim, s.ffn
+    matmul = {"q": h * h, "k": h * kv, "v": h * kv, "o": h * h, "gate": h * ffn, "up": h * ffn, "down": h * ffn}
+    attention = seq_len * h  # half of it per product (causal), both products, per 2 FLOPs
+    rerun = {"blocks": sum(matmul.values()) + attention, "attention": sum(matmul.values()),
+             "ops_half": matmul["k"] + matmul["o"] + matmul["up"], "ops": 0}[ac_mode]
+    return CHEAP_OPS + (1 - CHEAP_OPS) * rerun / (sum(matmul.values()) + attention)
+
+
+def recompute_cost(s: Shapes, seq_len: int, ac_ratio: float, ac_mode: str) -> float:
+    """Recomputed work per step in whole-block forwards: what plan.auto minimises."""
+    return len(ac_block_indices(s.layers, ac_ratio)) * recompute_fraction(s, seq_len, ac_mode)
 
 
 def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
-def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str,
-                gradients_in_forward: bool = False) -> float:
+def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
     """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
     split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
     tokens = micro_batch * -(-cfg.data.max_seq_len // cfg.cp.degree)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      cfg.precision.float8 != "none", ac_mode, gradients_in_forward, cfg.cp.degree) / GIB
-
-
-def clear_of_retries(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ratio: float, ac_mode: str) -> bool:
-    """Whether a setting would fit even if the memory of the sharded gradients (alive at the end of
-    backward) could not be reused for the next forward's activations, nor the other way round.
-
-    Why: on 2 x H100, plan.auto's "least recomputation that fits" picked ac 0.75 (P-7B and V-7B,
-    bf16) and 0.5 (P-7B float8) at the same predicted peak as ac 1, and each ran 2-6% slower than
-    ac 1 (issue #24). The suspected cause, which metrics.jsonl's alloc_retries and
-    peak_reserved_gib will confirm or refute: their end of forward (activations) and end of backward
-    (gradients) both reach the limit with tensors of different sizes in turn, so the caching
-    allocator must free and re-map cached blocks (a retry, which synchronises the GPU). ac 1 passes
-    this test on all three workloads, the slower choices do not. If measurements say otherwise,
-    this is the one rule to change (e.g. count only a fraction of the gradients).
-    """
-    return m.fits(predict_gib(s, cfg, m.gpus, micro_batch, ac_ratio, ac_mode, gradients_in_forward=True))
+                      cfg.precision.float8 != "none", ac_mode, cfg.cp.degree) / GIB
 
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
     """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
-    settings clear of allocator retries first (clear_of_retries), then the least recomputation
-    (recompute_cost; whole blocks cost ~8% per 0.5 of ratio on 7B), then the largest micro-batch. None
-    if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
+    the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun cost
+    0.55% of a step), then the largest micro-batch, then whole blocks before op-level modes. None if
+    nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
     data_parallel = m.gpus // cfg.cp.degree
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
-    fits = [(not clear_of_retries(s, cfg, m, micro, ratio, mode), recompute_cost(s.layers, ratio, mode), -micro,
-             MODES.index(mode), ratio, mode)
+    fits = [(recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro, MODES.index(mode), ratio, mode)
             for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None
-    *_, micro, _, ratio, mode = min(fits)
+    _, micro, _, ratio, mode = min(fits)
     return ratio, mode, -micro, global_batch // (-micro * data_parallel)
 
 
@@ -400,10 +391,9 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    clear = clear_of_retries(shapes, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     return (f"plan.auto: {note}ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} "
-            f"train.micro_batch_size={cfg.train.micro_batch_size} train.grad_accum_steps={cfg.train.grad_accum_steps} (predicted {predicted:.1f} GiB per GPU"
-            + ("" if clear else "; nothing fits clear of allocator retries") + ")")
+            f"train.micro_batch_size={cfg.train.micro_batch_size} train.grad_accum_steps={cfg.train.grad_accum_steps} "
+            f"(predicted {predicted:.1f} GiB per GPU)")
 
 
 def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
