@@ -182,13 +182,14 @@ acp7b-ac1-bf16reduce   configs/bench/p7b.yaml ac.ratio=1 fsdp.reduce_dtype=bfloa
 acp7b-ac1-ops_half-bf16reduce configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half fsdp.reduce_dtype=bfloat16
 RUNS
       ;;
-    acp7bf8)  # P-7B float8 tensorwise: ac 1, the old plan.auto choice (ac 0.5), op-level at ac 1, plan.auto
+    acp7bf8)  # P-7B float8 tensorwise: ac 1 to 0.5, op-level at ac 1 and 0.75, plan.auto
       p7b_data
       ac_runs acp7bf8 <<'RUNS'
 acp7bf8-ac1            configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1
 acp7bf8-ac0.75         configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.75
 acp7bf8-ac0.5          configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.5
 acp7bf8-ac1-ops_half   configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops_half
+acp7bf8-ac0.75-ops_half configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.75 ac.mode=ops_half
 acp7bf8-ac1-ops        configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops
 acp7bf8-auto           configs/bench/p7b.yaml precision.float8=tensorwise plan.auto=true
 RUNS
