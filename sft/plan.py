@@ -22,8 +22,8 @@ With precision.float8 the inputs of the block's Linear layers (3 h + ffn values)
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
 attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
-planner" compares the predictions with 23 measured peaks (0.5B-72B widths, with and without
-offload and float8). Other architectures are estimates: leave a margin.
+planner" and its issue #24 section compare the predictions with 35 measured peaks (0.5B-72B
+widths, with and without offload and float8). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
@@ -87,6 +87,11 @@ class Shapes:
     top_k: int = 0
     active_params: int = 0
     context_parallel: bool = True  # whether rows can be split (sft/context_parallel.py:unsupported)
+    attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
+
+    @property
+    def q_dim(self) -> int:
+        return self.attention_dim or self.hidden
 
     @classmethod
     def of(cls, model: nn.Module) -> Shapes:
@@ -100,7 +105,7 @@ class Shapes:
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
-                   unsupported(model) is None)
+                   unsupported(model) is None, text.num_attention_heads * head_dim)
 
 
 def moe_bytes_per_token(s: Shapes) -> int:
@@ -115,20 +120,21 @@ def moe_bytes_per_token(s: Shapes) -> int:
 def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
     """Bytes per token a block checkpointed at op level (ac.mode other than blocks) keeps until its backward,
     for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
-    ops: its input (h), the q/k/v projections (h + 2 kv; rotary is recomputed from them),
-    attention's output (h) and log-sum-exp (float32 per head), the o projection (h: the residual sum
+    ops: its input (h), the q/k/v projections (q_dim + 2 kv; rotary is recomputed from them),
+    attention's output (q_dim) and log-sum-exp (float32 per head), the o projection (h: the residual sum
     is recomputed from it) and gate/up (2 ffn; SiLU and the product are recomputed). ops_half keeps
     q, v and gate of those (k, o and up are recomputed): input, q, v, attention, gate. All bf16.
     Compiled, the partitioner keeps only what backward reads; eager, selective checkpointing also
     caches the down projection's output (h), which backward never reads. tests/test_distributed.py
     checks these counts against what a real block keeps. attention keeps the input and attention's
     output and log-sum-exp, compiled or not."""
+    q = s.q_dim  # q and attention's output: hidden in Llama/Qwen2.5, wider in Qwen3-MoE and gpt-oss
     if ac_mode == "attention":
-        return 2 * 2 * s.hidden + 4 * s.heads
+        return 2 * (s.hidden + q) + 4 * s.heads
     if ac_mode == "ops":
-        saved = 4 * s.hidden + 2 * s.ffn + 2 * s.kv_dim
+        saved = 2 * s.hidden + 2 * q + 2 * s.ffn + 2 * s.kv_dim
     else:
-        saved = 3 * s.hidden + s.ffn + s.kv_dim
+        saved = s.hidden + 2 * q + s.ffn + s.kv_dim
     return 2 * (saved + (0 if compiled else s.hidden)) + 4 * s.heads
 
 
@@ -238,24 +244,21 @@ MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
 AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
-# The share of a checkpointed block's recomputation that is memory-bound ops (norms, rotary, SiLU,
-# residual sums, casts), rerun in every mode: fitted on 2 x H100, P-7B bf16 (docs/BENCHMARKS.md).
-CHEAP_OPS = 0.1
-
-
 def recompute_fraction(s: Shapes, seq_len: int, ac_mode: str) -> float:
     """What a block checkpointed in `ac_mode` reruns in backward, as a fraction of what a whole
-    checkpointed block reruns: the cheap ops, plus its share of the forward's FLOPs per token, the
-    matmuls (q and o: h x h each; k and v: h x kv; gate, up, down: h x ffn) and causal attention
-    (2 x seq x h). blocks reruns all, attention all matmuls, ops_half k, o and up, ops none. Measured
-    on 2 x H100, P-7B bf16 (4096 tokens): ops_half 0.45 and attention 0.85 of a whole block,
-    against 0.40 and 0.95 here; at 32k tokens attention is a third of the FLOPs."""
-    h, kv, ffn = s.hidden, s.kv_dim, s.ffn
-    matmul = {"q": h * h, "k": h * kv, "v": h * kv, "o": h * h, "gate": h * ffn, "up": h * ffn, "down": h * ffn}
-    attention = seq_len * h  # half of it per product (causal), both products, per 2 FLOPs
+    checkpointed block reruns, by forward FLOPs per token: the matmuls (q and o: h x q_dim each; k
+    and v: h x kv; gate and up: h x ffn; not down, whose output backward never reads, so
+    recomputation stops before it) and causal attention (2 x seq x q_dim, at max_seq_len: an upper
+    bound for packed or padded rows). attention mode reruns the matmuls, ops_half k, o and up, ops
+    none (only the memory-bound ops, counted as nothing). Measured on 2 x H100, P-7B bf16 (4096
+    tokens): ops_half 0.45 and attention 0.85 of a whole block, against 0.46 and 0.92 here; at 32k
+    attention is 42% of what a whole block reruns (attention mode 0.58)."""
+    h, q, kv, ffn = s.hidden, s.q_dim, s.kv_dim, s.ffn
+    matmul = {"q": h * q, "k": h * kv, "v": h * kv, "o": h * q, "gate": h * ffn, "up": h * ffn}
+    attention = seq_len * q  # half of the row per product (causal), two products, per 2 FLOPs
     rerun = {"blocks": sum(matmul.values()) + attention, "attention": sum(matmul.values()),
              "ops_half": matmul["k"] + matmul["o"] + matmul["up"], "ops": 0}[ac_mode]
-    return CHEAP_OPS + (1 - CHEAP_OPS) * rerun / (sum(matmul.values()) + attention)
+    return rerun / (sum(matmul.values()) + attention)
 
 
 def recompute_cost(s: Shapes, seq_len: int, ac_ratio: float, ac_mode: str) -> float:
