@@ -161,7 +161,9 @@ class FSDPConfig:
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Compute dtype of the all-gathered parameters. Master weights are always float32."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the gradient reduce-scatter. bfloat16 halves traffic at some precision cost."""
+    """Dtype of the gradient reduce-scatter. bfloat16 halves traffic at some precision cost; with
+    float32 master weights it measured slower near the memory limit (its float32 copies of the
+    gradients bring back allocator retries: sft/parallel.py:GradientsInComputePool)."""
     reshard_after_forward: bool = True
     """Free gathered blocks after their forward (ZeRO-3). False keeps them until backward (≈ZeRO-2)."""
     replicate_degree: int = 1

@@ -142,6 +142,10 @@ def apply_compile(blocks: list[nn.Module]) -> None:
     log0(f"applied torch.compile to {len(blocks)} blocks")
 
 
+# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single; 2.11 has only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class GradientsInComputePool:
     """FSDP2's reduce-scatter (a custom comm for `set_custom_reduce_scatter`) whose output, the
     buffer the sharded gradients are views of, comes from the compute stream's memory pool.
@@ -149,11 +153,17 @@ class GradientsInComputePool:
     Why: FSDP2 allocates that output on its reduce-scatter stream, and the caching allocator keeps
     each stream's freed memory for that stream. After each step the gradients (4 bytes per
     parameter per shard: 14 GiB for 7B on 2 GPUs) are freed into the reduce-scatter stream's pool,
-    where the next forward's activations cannot use them; near the memory limit every step then
-    made the allocator release its cache and synchronise twice (issue #24: 12-16 retries per 8
-    steps, 2-6% slower). In the compute pool the two take turns in the same memory.
-    `record_stream` keeps the block from being reused before the reduce-scatter stream's work on
-    it is done. Only for plain FSDP: under HSDP another stream (the all-reduce) also works on it."""
+    where the next forward's activations cannot use them, nor can the next gradients use the
+    activations' memory: near the memory limit a step then made the allocator release its cache
+    and synchronise twice (issue #24: 12-16 retries per 8 steps, 2-6% slower). In the compute pool
+    the two take turns in the same memory. `record_stream` keeps the block from being reused
+    before the reduce-scatter stream's work on it is done.
+
+    The compute stream is the default stream, where train.py runs forward and backward; FSDP2 asks
+    for the reduce-scatter's input there and for its output on its own stream. Only for plain FSDP:
+    under HSDP another stream (the all-reduce) also works on the output. Not for the gradients of
+    fsdp.reduce_dtype=bfloat16 either: FSDP2 casts the reduced bf16 buffer to float32 on its own
+    stream, outside this comm (measured: the retries come back)."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
@@ -165,7 +175,7 @@ class GradientsInComputePool:
         return output
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: FSDPConfig) -> None:

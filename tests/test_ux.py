@@ -43,7 +43,7 @@ def test_readme_documents_exactly_the_metrics_keys():
 
 def test_allocator_retries_are_counted_per_step(monkeypatch):
     """On GPUs each step logs the allocator's peak reserved memory and the retries of that step (the
-    allocator's counter is cumulative); on CPU nothing."""
+    allocator's counter is cumulative); on CPU only peak_memory_gib, 0."""
     stats = iter([{"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30, "allocated_bytes.all.peak": 2**32},
                   {"num_alloc_retries": 3, "reserved_bytes.all.peak": 70 * 2**30, "allocated_bytes.all.peak": 2**31},
                   {"num_alloc_retries": 5, "reserved_bytes.all.peak": 72 * 2**30, "allocated_bytes.all.peak": 2**31}])
