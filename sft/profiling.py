@@ -101,10 +101,34 @@ def summarize_trace(path: Path, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def memory_by_stream(snapshot: dict) -> str:
+    """Where the CUDA caching allocator's memory sits, per stream, from `torch.cuda.memory._snapshot()`:
+    reserved (its segments), allocated, free (cached for that stream only: no other stream's
+    allocation can use it without a retry) and the largest free block. The allocator's retries near
+    the memory limit come from free memory in the wrong stream's pool or in pieces too small
+    (issue #24); this says which."""
+    streams: dict[int, dict[str, float]] = {}
+    for segment in snapshot["segments"]:
+        row = streams.setdefault(segment["stream"], {"segments": 0, "reserved": 0, "allocated": 0, "largest free": 0})
+        row["segments"] += 1
+        row["reserved"] += segment["total_size"]
+        row["allocated"] += segment["allocated_size"]
+        free = [b["size"] for b in segment["blocks"] if b["state"] == "inactive"]
+        row["largest free"] = max([row["largest free"], *free])
+    lines = ["caching allocator by stream (GiB; stream 0 is the default, compute stream):",
+             "  stream              segments  reserved  allocated      free  largest free"]
+    for stream, row in sorted(streams.items(), key=lambda kv: -kv[1]["reserved"]):
+        gib = {key: value / 2**30 for key, value in row.items() if key != "segments"}
+        lines.append(f"  {stream:<18d}  {row['segments']:8d}  {gib['reserved']:8.2f}  {gib['allocated']:9.2f}  "
+                     f"{gib['reserved'] - gib['allocated']:8.2f}  {gib['largest free']:12.2f}")
+    return "\n".join(lines)
+
+
 class StepProfiler:
     """Records optimizer steps first..last (inclusive, 1-based; cut at the run's final step) on
     rank 0 with torch.profiler, then writes <out_dir>/trace-rank0.json.gz (chrome://tracing,
-    Perfetto) and summary.txt, and hands the summary to `report` (a log function)."""
+    Perfetto) and summary.txt (on GPUs with the allocator's memory by stream after the last traced
+    step), and hands the summary to `report` (a log function)."""
 
     def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool,
                  report: Callable[[str], None]):
@@ -139,6 +163,8 @@ class StepProfiler:
             dst.writelines(src)
         trace.unlink()
         summary = summarize_trace(trace.with_suffix(".json.gz"))
+        if torch.cuda.is_available():
+            summary += "\n\n" + memory_by_stream(torch.cuda.memory._snapshot())
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         self.profiler = None
         self.report(f"profile of steps ({self.first}, {self.last}) in {self.out_dir}:\n{summary}")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sft.profiling import kernel_class, summarize_trace
+from sft.profiling import kernel_class, memory_by_stream, summarize_trace
 
 
 def kernel(name: str, start: float, dur: float, stream: int) -> dict:
@@ -38,3 +38,19 @@ def test_summary_measures_idle_and_exposed_communication(tmp_path):
 ])
 def test_kernel_classes(name, label):
     assert kernel_class(name) == label
+
+
+def test_memory_by_stream_shows_what_each_streams_pool_holds():
+    """A hand-made allocator snapshot: the default stream's segment is half free in two blocks, a
+    side stream's segment (where FSDP2 used to keep the gradients) is all free."""
+    gib = 2**30
+    snapshot = {"segments": [
+        {"stream": 0, "total_size": 4 * gib, "allocated_size": 2 * gib,
+         "blocks": [{"size": 2 * gib, "state": "active_allocated"}, {"size": gib, "state": "inactive"},
+                    {"size": gib, "state": "inactive"}]},
+        {"stream": 0, "total_size": gib, "allocated_size": gib, "blocks": [{"size": gib, "state": "active_allocated"}]},
+        {"stream": 94, "total_size": 8 * gib, "allocated_size": 0, "blocks": [{"size": 8 * gib, "state": "inactive"}]},
+    ]}
+    lines = memory_by_stream(snapshot).splitlines()
+    assert [line.split() for line in lines[2:]] == [["94", "1", "8.00", "0.00", "8.00", "8.00"],
+                                                   ["0", "2", "5.00", "3.00", "2.00", "1.00"]]
