@@ -206,12 +206,12 @@ acv7bf8-ac1            configs/bench/v7b.yaml $PACKED precision.float8=tensorwis
 acv7bf8-auto           configs/bench/v7b.yaml $PACKED precision.float8=tensorwise plan.auto=true
 RUNS
       ;;
-    ac32k)  # 32k tokens, 1 row per GPU (8 steps of ~5 s): only ac 1 is predicted to fit 80 GB; plan.auto must agree
+    ac32k)  # 32k tokens, 1 row per GPU (8 steps of ~5 s): ac 1 blocks or attention (traced at step 6, with the allocator by stream); plan.auto
       python3 scripts/synthetic_tokens.py --out data/bench/len32k.parquet --samples $((NGPU * 8)) --length 32768
       LONG="data.path=data/bench/len32k.parquet data.max_seq_len=32768 train.micro_batch_size=1"
       STEPS=8 ac_runs ac32k <<RUNS
 ac32k-ac1              configs/bench/p7b.yaml $LONG ac.ratio=1
-ac32k-ac1-attention    configs/bench/p7b.yaml $LONG ac.ratio=1 ac.mode=attention
+ac32k-ac1-attention    configs/bench/p7b.yaml $LONG ac.ratio=1 ac.mode=attention logging.profile_steps=[6,6]
 ac32k-auto             configs/bench/p7b.yaml $LONG plan.auto=true
 ac32kf8-ac1            configs/bench/p7b.yaml $LONG precision.float8=tensorwise ac.ratio=1
 ac32kf8-ac1-attention  configs/bench/p7b.yaml $LONG precision.float8=tensorwise ac.ratio=1 ac.mode=attention
