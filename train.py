@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_mem_gib = cfg.plan.gpu_mem_gib or (torch.cuda.get_device_properties(env.device).total_memory / GIB
                                            if env.device.type == "cuda" else None)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
-        log0(apply_auto_plan(cfg, env.world_size, gpu_mem_gib))
+        log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))
     cp = ContextParallel.build(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.

@@ -195,6 +195,10 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
     return {
         "missing model directory": (["model.name_or_path=/no/such/model"],
                                     "model.name_or_path='/no/such/model': no such directory"),
+        # plan.auto reads the model's shapes before anything else (plan.gpu_mem_gib: as on a GPU)
+        "missing model directory, plan.auto": (["model.name_or_path=/no/such/model", "plan.auto=true",
+                                                "plan.gpu_mem_gib=80"],
+                                               "model.name_or_path='/no/such/model': no such directory"),
         "malformed JSONL": ([data("malformed.jsonl")], "line 21 is not valid JSON"),
         "empty file": ([data("empty.jsonl")], "empty.jsonl': the dataset is empty"),
         "weights of another architecture": ([f"model.name_or_path={other}", "model.init=pretrained"],
