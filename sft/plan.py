@@ -283,14 +283,15 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
     """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
     the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun cost
-    0.55% of a step), then the largest micro-batch, then whole blocks before op-level modes. None if
-    nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here changes that)."""
+    0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one), then
+    whole blocks before op-level modes. None if nothing fits the GPUs, or, with fsdp.cpu_offload,
+    the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
     data_parallel = m.gpus // cfg.cp.degree
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
     fits = [(recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro, MODES.index(mode), ratio, mode)
-            for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS
+            for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None

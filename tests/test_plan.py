@@ -204,6 +204,8 @@ AUTO_CHOICES = [
     (8, 139.8, ["data.max_seq_len=32768", "train.micro_batch_size=1"], (1.0, "ops", 1, 1)),
     (4, 79.1, [], (0.0, "blocks", 2, 1)),
     (8, 79.1, [], (0.0, "blocks", 2, 1)),
+    # A configured micro-batch beyond MICRO_BATCHES that fits is kept, not split into grad-acc.
+    (8, 139.8, ["train.micro_batch_size=16", "data.max_seq_len=512"], (0.0, "blocks", 16, 1)),
 ]
 
 
