@@ -51,12 +51,12 @@ def peak_bf16_flops(device: torch.device) -> float | None:
 class AllocatorStats:
     """The CUDA caching allocator's numbers for each step, then the next step's peaks start afresh
     (an evaluation or a save in between counts toward the next step): the peak allocated
-    (peak_memory_gib; a step's own, so the step that peaks can be found), the
-    peak it reserved (allocated + cached blocks) and how many retries this step needed (an
-    allocation that did not fit made it free its cached blocks and try again, which synchronises
-    the GPU): a run near the memory limit can be slower at the same peak_memory_gib because of
-    them (issue #24: sft/parallel.py:GradientsInComputePool removed the ones every step had).
-    On CPU only peak_memory_gib, 0."""
+    (peak_memory_gib; a step's own, so the step that peaks can be found), the peak it reserved
+    (allocated + cached blocks) and how many retries this step needed (an allocation that did not
+    fit made it free its cached blocks and try again, which synchronises the GPU): a run near the
+    memory limit can be slower at the same peak_memory_gib because of them (issue #24:
+    sft/parallel.py:GradientsInComputePool removed the ones every step had). On CPU only
+    peak_memory_gib, 0."""
 
     def __init__(self, device: torch.device):
         self.device, self.retries = device, 0

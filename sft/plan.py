@@ -118,8 +118,8 @@ def moe_bytes_per_token(s: Shapes) -> int:
 
 
 def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
-    """Bytes per token a block checkpointed at op level (ac.mode other than blocks) keeps until its backward,
-    for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
+    """Bytes per token a block checkpointed at op level (ac.mode other than blocks) keeps until its
+    backward, for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
     ops: its input (h), the q/k/v projections (q_dim + 2 kv; rotary is recomputed from them),
     attention's output (q_dim) and log-sum-exp (float32 per head), the o projection (h: the residual sum
     is recomputed from it) and gate/up (2 ffn; SiLU and the product are recomputed). ops_half keeps
@@ -244,6 +244,8 @@ MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
 AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
+
+
 def recompute_fraction(s: Shapes, seq_len: int, ac_mode: str) -> float:
     """What a block checkpointed in `ac_mode` reruns in backward, as a fraction of what a whole
     checkpointed block reruns, by forward FLOPs per token: the matmuls (q and o: h x q_dim each; k
