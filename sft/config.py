@@ -307,7 +307,8 @@ class PlanConfig:
     train.micro_batch_size and train.grad_accum_steps, keeping the global batch: the least
     recomputation that fits with room to spare for the allocator (sft/plan.py:suggest)."""
     gpu_mem_gib: float | None = None
-    """Memory per GPU to plan for (default: the GPU's total memory)."""
+    """Memory per GPU to plan for (default: the GPU's total memory). Set, it also lets plan.auto
+    choose without a GPU (e.g. to see its choice on a CPU machine)."""
 
 
 @dataclass

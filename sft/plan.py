@@ -22,8 +22,8 @@ With precision.float8 the inputs of the block's Linear layers (3 h + ffn values)
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
 attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
-planner" and its issue #24 section compare the predictions with 35 measured peaks (0.5B-72B
-widths, with and without offload and float8). Other architectures are estimates: leave a margin.
+planner" and its issue #24 and #25 sections compare the predictions with 38 measured peaks
+(0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
@@ -284,20 +284,23 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
     """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
-    the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun cost
-    0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one), then
-    whole blocks before op-level modes. None if nothing fits the GPUs, or, with fsdp.cpu_offload,
-    the host (no setting here changes that)."""
+    settings at the configured micro-batch or a larger one first (a smaller one adds grad-acc
+    steps, each with its own all-gathers and reduce-scatters, which recomputation does not weigh),
+    then the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun
+    cost 0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one),
+    then whole blocks before op-level modes. None if nothing fits the GPUs, or, with
+    fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
     data_parallel = m.gpus // cfg.cp.degree
     global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
-    fits = [(recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro, MODES.index(mode), ratio, mode)
+    fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
+             MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
     if not fits:
         return None
-    _, micro, _, ratio, mode = min(fits)
+    *_, micro, _, ratio, mode = min(fits)
     return ratio, mode, -micro, global_batch // (-micro * data_parallel)
 
 
@@ -395,11 +398,14 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         choice = suggest(shapes, cfg, m)
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
+    configured = (f"ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} train.micro_batch_size={cfg.train.micro_batch_size} "
+                  f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
+    chosen = (f"ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} train.micro_batch_size={cfg.train.micro_batch_size} "
+              f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    return (f"plan.auto: {note}ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} "
-            f"train.micro_batch_size={cfg.train.micro_batch_size} train.grad_accum_steps={cfg.train.grad_accum_steps} "
-            f"(predicted {predicted:.1f} GiB per GPU)")
+    return (f"plan.auto: {note}{chosen} (predicted {predicted:.1f} GiB per GPU"
+            + ("" if chosen == configured else f"; the config said {configured}") + ")")
 
 
 def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
