@@ -268,6 +268,12 @@ def recompute_cost(s: Shapes, seq_len: int, ac_ratio: float, ac_mode: str) -> fl
     return len(ac_block_indices(s.layers, ac_ratio)) * recompute_fraction(s, seq_len, ac_mode)
 
 
+def as_overrides(ratio: float, mode: str, micro_batch: int, grad_accum: int) -> str:
+    """A setting (as `suggest` returns it) as the command-line overrides that select it."""
+    return (f"ac.ratio={ratio:g} ac.mode={mode} train.micro_batch_size={micro_batch} "
+            f"train.grad_accum_steps={grad_accum}")
+
+
 def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
@@ -371,9 +377,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
                      f"{m.host_mem_gib:.0f} GiB{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     choice = suggest(s, cfg, m)
     if choice:
-        ratio, mode, micro, accum = choice
-        lines.append(f"suggested: ac.ratio={ratio:g} ac.mode={mode} train.micro_batch_size={micro} "
-                     f"train.grad_accum_steps={accum} (global batch {micro * accum * m.gpus // cfg.cp.degree})")
+        _, _, micro, accum = choice
+        lines.append(f"suggested: {as_overrides(*choice)} (global batch {micro * accum * m.gpus // cfg.cp.degree})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
     degree = smallest_cp(s, cfg, m)
@@ -398,14 +403,11 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         choice = suggest(shapes, cfg, m)
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
-    configured = (f"ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} train.micro_batch_size={cfg.train.micro_batch_size} "
-                  f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
+    configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
-    chosen = (f"ac.ratio={cfg.ac.ratio:g} ac.mode={cfg.ac.mode} train.micro_batch_size={cfg.train.micro_batch_size} "
-              f"train.grad_accum_steps={cfg.train.grad_accum_steps}")
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    return (f"plan.auto: {note}{chosen} (predicted {predicted:.1f} GiB per GPU"
-            + ("" if chosen == configured else f"; the config said {configured}") + ")")
+    return (f"plan.auto: {note}{as_overrides(*choice)} (predicted {predicted:.1f} GiB per GPU"
+            + ("" if choice == configured else f"; the config said {as_overrides(*configured)}") + ")")
 
 
 def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
