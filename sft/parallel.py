@@ -196,13 +196,14 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
     # None lets FSDP keep the root unsharded between forward and backward (an explicit True
     # would free and re-gather the embeddings and lm_head every step).
     fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
+    reduce_scatter = GradientsInComputePool() if cfg.replicate_degree == 1 else None  # stateless: one for all units
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM instead of NCCL's PREMUL_SUM(1): the same result, and gloo supports it.
             module.set_force_sum_reduction_for_comms(True)
-            if cfg.replicate_degree == 1:
-                module.set_custom_reduce_scatter(GradientsInComputePool())
+            if reduce_scatter is not None:
+                module.set_custom_reduce_scatter(reduce_scatter)
     log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
          f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
 
