@@ -450,7 +450,7 @@ print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [r
   esac
 done
 if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/bench.tgz" --exclude='*.json.gz' runs/bench && cp runs/bench/summary.md "$OUT/" 2>/dev/null
+  tar czf "$OUT/bench.tgz" --exclude='*.json.gz' --exclude='*.pickle' runs/bench && cp runs/bench/summary.md "$OUT/" 2>/dev/null
   for trace in runs/bench/*/profile/trace-rank0.json.gz; do  # profiler traces travel separately if small
     [ -f "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ] && cp "$trace" "$OUT/$(basename "$(dirname "$(dirname "$trace")")").trace.json.gz"
   done

@@ -6,7 +6,9 @@
 The summary splits the GPU timeline of the traced steps into kernel classes (matrix products,
 attention, NCCL collectives, compiled elementwise, optimizer, ...) and measures what a list of
 kernel times cannot show: how long the compute stream sat idle, and how much collective time
-was not hidden behind computation.
+was not hidden behind computation. On GPUs the traced steps' allocations are recorded too: the
+summary ends with the allocator's memory by stream and with what was alive at the highest point of
+allocated memory, by where it was allocated (memory-rank0.pickle opens in pytorch.org/memory_viz).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import pickle
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 STEP_SPAN = "sft_step#"  # the CPU span around each traced optimizer step
+MEMORY_HISTORY_ENTRIES = 2_000_000  # allocations and frees kept: a 128k-token step makes ~10^5
 
 # First matching pattern wins; matched against the lower-cased kernel name.
 KERNEL_CLASSES = (
@@ -124,11 +129,72 @@ def memory_by_stream(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
+def _frame_label(frame: dict) -> str:
+    """file:line function, the file from its package root (torch/..., transformers/..., sft/...)."""
+    path = frame["filename"]
+    for root in ("site-packages/", "dist-packages/"):
+        path = path.split(root, 1)[-1]
+    if "torchinductor" in path:  # inductor's generated code: its cache path says nothing
+        path = "compiled " + Path(path).name
+    elif "/sft/" in path or path.endswith("/train.py"):
+        path = path[path.rfind("/sft/") + 1:] if "/sft/" in path else "train.py"
+    return f"{path}:{frame['line']} {frame['name']}"
+
+
+def _allocation_site(frames: list[dict]) -> str:
+    """Where an allocation came from: its innermost Python frame, and the innermost frame of this
+    repository that led to it (the autograd engine runs eager backward ops with no Python frame)."""
+    if not frames:
+        return "(no Python frame: an eager op's backward)"
+    inner = _frame_label(frames[0])
+    ours = next((_frame_label(f) for f in frames if "/sft/" in f["filename"] or f["filename"].endswith("train.py")), None)
+    return inner if ours is None or ours == inner else f"{inner}  <-  {ours}"
+
+
+def memory_at_peak(snapshot: dict, allocated_at_start: int, device: int = 0, top: int = 12) -> str:
+    """What was alive at the highest point of allocated memory in the recorded history of
+    `snapshot` (`torch.cuda.memory._snapshot()` with `_record_memory_history` on since
+    `allocated_at_start` bytes were allocated), grouped by allocation site, largest first. Allocated
+    bytes count as the allocator's own statistic does: up at an alloc, down at a free request. What
+    was allocated before the recording started is one line."""
+    events = [e for e in snapshot["device_traces"][device] if e["action"] in ("alloc", "free_requested")]
+    current, peak, peak_index = allocated_at_start, allocated_at_start, -1
+    for index, event in enumerate(events):
+        current += event["size"] if event["action"] == "alloc" else -event["size"]
+        if current > peak:
+            peak, peak_index = current, index
+    live: dict[int, dict] = {}
+    for event in events[:peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        else:
+            live.pop(event["addr"], None)
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in live.values():
+        site = sites[_allocation_site(event.get("frames") or [])]
+        site[0] += event["size"]
+        site[1] += 1
+    recorded = sum(size for size, _ in sites.values())
+    lines = [f"allocated memory at its peak in the traced steps: {peak / 2**30:.2f} GiB "
+             f"({len(events)} allocations and frees recorded)",
+             "      GiB  tensors  allocated at",
+             f"  {(peak - recorded) / 2**30:7.2f}  {'':>7}  (before the traced steps: parameters, optimizer state, ...)"]
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    for site, (size, count) in ranked[:top]:
+        lines.append(f"  {size / 2**30:7.2f}  {count:7d}  {site}")
+    if len(ranked) > top:
+        rest = ranked[top:]
+        lines.append(f"  {sum(size for _, (size, _) in rest) / 2**30:7.2f}  "
+                     f"{sum(count for _, (_, count) in rest):7d}  ({len(rest)} other sites)")
+    return "\n".join(lines)
+
+
 class StepProfiler:
     """Records optimizer steps first..last (inclusive, 1-based; cut at the run's final step) on
     rank 0 with torch.profiler, then writes <out_dir>/trace-rank0.json.gz (chrome://tracing,
-    Perfetto) and summary.txt (on GPUs with the allocator's memory by stream after the last traced
-    step), and hands the summary to `report` (a log function)."""
+    Perfetto) and summary.txt, and hands the summary to `report` (a log function). On GPUs it also
+    records the allocations of those steps (memory-rank0.pickle) and the summary ends with the
+    allocator's memory by stream after the last traced step and what was alive at the peak."""
 
     def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool,
                  report: Callable[[str], None]):
@@ -136,6 +202,7 @@ class StepProfiler:
         self.out_dir, self.report = out_dir, report
         self.profiler: torch.profiler.profile | None = None
         self.span: torch.profiler.record_function | None = None
+        self.allocated_at_start = 0
 
     def step_begins(self, step: int) -> None:
         if step == self.first:
@@ -144,6 +211,10 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
+            if torch.cuda.is_available():
+                self.allocated_at_start = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python",
+                                                         max_entries=MEMORY_HISTORY_ENTRIES)
         if self.profiler is not None:
             self.span = torch.profiler.record_function(f"{STEP_SPAN}{step}")
             self.span.__enter__()
@@ -164,7 +235,12 @@ class StepProfiler:
         trace.unlink()
         summary = summarize_trace(trace.with_suffix(".json.gz"))
         if torch.cuda.is_available():
-            summary += "\n\n" + memory_by_stream(torch.cuda.memory._snapshot())
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(None)
+            with open(self.out_dir / "memory-rank0.pickle", "wb") as f:
+                pickle.dump(snapshot, f)
+            summary += ("\n\n" + memory_by_stream(snapshot)
+                        + "\n\n" + memory_at_peak(snapshot, self.allocated_at_start, torch.cuda.current_device()))
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         self.profiler = None
         self.report(f"profile of steps ({self.first}, {self.last}) in {self.out_dir}:\n{summary}")
