@@ -14,10 +14,10 @@
 #             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
 #             traced at steps 9-10), P-7B float8, V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
 #             float8 (8 steps). ONLY=regex runs the matching runs
-#   longctx   issue #25 on 2 GPUs (NGPU=2), Qwen2.5-7B shapes, fp32 masters, ac 1, one row per cp group:
-#             a 64k document with cp 2, a 128k document with cp 2 + fsdp.cpu_offload (profiled at step 5),
-#             and (ONLY=packed) 128k rows packed from the long tail (lengths log-normal, median 16k,
-#             clipped to [1k, 128k]); ~4 min per run. longctx4: 128k with cp 4 on 4 GPUs, single and packed
+#   longctx   issue #25 on 2 GPUs (NGPU=2), Qwen2.5-7B shapes, fp32 masters, ac 1 (blocks or attention), one
+#             row per cp group: a 64k document with cp 2, a 128k document with cp 2 + fsdp.cpu_offload (the
+#             attention run profiled at step 5), 128k rows packed from the long tail (lengths log-normal, median
+#             16k, clipped to [1k, 128k]); ~3-5 min per run. longctx4: 128k with cp 4 on 4 GPUs, single and packed
 #   perf      P-7B (random init): defaults (with a profile of steps 9-10), ZeRO-2, bf16 reduce, NCCL CTAs,
 #             grad-acc 4 with and without deferred gradient sync; ONLY=regex runs the matching variants
 #   planner   peak memory vs the planner: Qwen2.5-0.5B on 1 GPU (seq 2048/4096) and 7B at seq 2048 (ac 0/0.5/1)
@@ -50,8 +50,11 @@
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/, installed once per machine
+  # (two invocations may run side by side on disjoint GPUs: run one stage first, e.g. `info`)
+  [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
+  export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
@@ -229,14 +232,17 @@ RUNS
       if [ "$stage" = longctx ]; then
         STEPS=${STEPS_LONG:-6} WARMUP=2 RUN_TIMEOUT=480 ac_runs longctx <<RUNS
 lc64k-cp2                $ROW64 cp.degree=2
-lc128k-cp2-offload       $ROW128 cp.degree=2 data.path=data/bench/len128k.parquet fsdp.cpu_offload=true logging.profile_steps=[5,5]
+lc64k-cp2-attention      $ROW64 cp.degree=2 ac.mode=attention
+lc128k-cp2-offload-attention $ROW128 cp.degree=2 data.path=data/bench/len128k.parquet fsdp.cpu_offload=true ac.mode=attention logging.profile_steps=[5,5]
+lc128k-cp2-offload       $ROW128 cp.degree=2 data.path=data/bench/len128k.parquet fsdp.cpu_offload=true
 lc128k-packed-cp2-offload $ROW128 cp.degree=2 data.path=data/bench/tail128k.parquet data.packing=true fsdp.cpu_offload=true
 lc64k-cp2-f8             $ROW64 cp.degree=2 precision.float8=tensorwise
 RUNS
       else
         STEPS=${STEPS_LONG:-6} WARMUP=2 RUN_TIMEOUT=480 ac_runs longctx4 <<RUNS
-lc128k-cp4               $ROW128 cp.degree=4 data.path=data/bench/len128k.parquet logging.profile_steps=[5,5]
-lc128k-packed-cp4        $ROW128 cp.degree=4 data.path=data/bench/tail128k.parquet data.packing=true
+lc128k-cp4-attention     $ROW128 cp.degree=4 data.path=data/bench/len128k.parquet ac.mode=attention logging.profile_steps=[5,5]
+lc128k-cp4               $ROW128 cp.degree=4 data.path=data/bench/len128k.parquet
+lc128k-packed-cp4-attention $ROW128 cp.degree=4 data.path=data/bench/tail128k.parquet data.packing=true ac.mode=attention
 RUNS
       fi ;;
     perf)  # P-7B, one change at a time against the defaults; the first run also traces steps 9-10
