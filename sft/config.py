@@ -288,7 +288,9 @@ class LoggingConfig:
     profile_steps: tuple[int, int] | None = None
     """[first, last]: trace these optimizer steps on rank 0 with torch.profiler into <run>/profile
     (a Perfetto/chrome://tracing trace and summary.txt: GPU time by kernel class, idle and
-    exposed-communication time). Skip the first steps: they compile."""
+    exposed-communication time; on GPUs also the allocator's memory by stream and what was alive
+    at the steps' peak of allocated memory, by where it was allocated, with memory-rank0.pickle for
+    pytorch.org/memory_viz). Skip the first steps: they compile. Traced steps run slower."""
 
 
 @dataclass
