@@ -290,7 +290,8 @@ class LoggingConfig:
     (a Perfetto/chrome://tracing trace and summary.txt: GPU time by kernel class, idle and
     exposed-communication time; on GPUs also the allocator's memory by stream and what was alive
     at the steps' peak of allocated memory, by where it was allocated, with memory-rank0.pickle for
-    pytorch.org/memory_viz). Skip the first steps: they compile. Traced steps run slower."""
+    pytorch.org/memory_viz). Skip the first steps: they compile. Traced steps run slower and
+    keep their allocation history in host memory (a few KB per allocation)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ With precision.float8 the inputs of the block's Linear layers (3 h + ffn values)
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
 attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
-planner" and its issue #24 and #25 sections compare the predictions with 38 measured peaks
+planner" and its issue #24 and #25 sections compare the predictions with 43 measured peaks
 (0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
@@ -143,7 +143,8 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
                float8: bool = False, ac_mode: str = "blocks", cp: int = 1) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
     (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
-    then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward."""
+    then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
+    and compiled whole checkpointed blocks hold the size of the whole row's (see below)."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
     gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 STEP_SPAN = "sft_step#"  # the CPU span around each traced optimizer step
-MEMORY_HISTORY_ENTRIES = 2_000_000  # allocations and frees kept: a 128k-token step makes ~10^5
+MEMORY_HISTORY_ENTRIES = 2_000_000  # allocations and frees kept: a 128k-token step makes ~2 x 10^4
+REPO = Path(__file__).resolve().parents[1]
 
 # First matching pattern wins; matched against the lower-cased kernel name.
 KERNEL_CLASSES = (
@@ -129,36 +130,49 @@ def memory_by_stream(snapshot: dict) -> str:
     return "\n".join(lines)
 
 
+def _is_ours(filename: str) -> bool:
+    """Whether a frame is in this repository (train.py, sft/), not in an installed package."""
+    return filename.startswith(str(REPO)) and "-packages/" not in filename
+
+
 def _frame_label(frame: dict) -> str:
-    """file:line function, the file from its package root (torch/..., transformers/..., sft/...)."""
+    """file:line function, the file from its package or repository root (torch/..., sft/...)."""
     path = frame["filename"]
-    for root in ("site-packages/", "dist-packages/"):
-        path = path.split(root, 1)[-1]
-    if "torchinductor" in path:  # inductor's generated code: its cache path says nothing
+    if _is_ours(path):
+        path = str(Path(path).relative_to(REPO))
+    elif "torchinductor" in path:  # inductor's generated code: its cache path says nothing
         path = "compiled " + Path(path).name
-    elif "/sft/" in path or path.endswith("/train.py"):
-        path = path[path.rfind("/sft/") + 1:] if "/sft/" in path else "train.py"
+    else:
+        for root in ("site-packages/", "dist-packages/"):
+            path = path.split(root, 1)[-1]
     return f"{path}:{frame['line']} {frame['name']}"
 
 
 def _allocation_site(frames: list[dict]) -> str:
     """Where an allocation came from: its innermost Python frame, and the innermost frame of this
-    repository that led to it (the autograd engine runs eager backward ops with no Python frame)."""
-    if not frames:
-        return "(no Python frame: an eager op's backward)"
+    repository that led to it."""
+    if not frames:  # the autograd engine runs eager backward ops and gradient accumulation in C++
+        return "(no Python frame: C++, e.g. an eager op's backward)"
     inner = _frame_label(frames[0])
-    ours = next((_frame_label(f) for f in frames if "/sft/" in f["filename"] or f["filename"].endswith("train.py")), None)
+    ours = next((_frame_label(f) for f in frames if _is_ours(f["filename"])), None)
     return inner if ours is None or ours == inner else f"{inner}  <-  {ours}"
 
 
-def memory_at_peak(snapshot: dict, allocated_at_start: int, device: int = 0, top: int = 12) -> str:
+def memory_at_peak(snapshot: dict, requested_at_start: int, device: int = 0, top: int = 12,
+                   capacity: int = MEMORY_HISTORY_ENTRIES) -> str:
     """What was alive at the highest point of allocated memory in the recorded history of
     `snapshot` (`torch.cuda.memory._snapshot()` with `_record_memory_history` on since
-    `allocated_at_start` bytes were allocated), grouped by allocation site, largest first. Allocated
-    bytes count as the allocator's own statistic does: up at an alloc, down at a free request. What
-    was allocated before the recording started is one line."""
-    events = [e for e in snapshot["device_traces"][device] if e["action"] in ("alloc", "free_requested")]
-    current, peak, peak_index = allocated_at_start, allocated_at_start, -1
+    `requested_at_start` bytes were requested, the allocator's "requested_bytes.all.current"),
+    grouped by allocation site, largest first. Bytes count as the allocator's statistic does: up at
+    an alloc, down at a free request, by the size each tensor asked for (the allocator rounds it up
+    by at most 512 bytes with expandable segments). What was allocated before the recording
+    started is one line. A history of `capacity` entries or more has wrapped: then only that is said."""
+    trace = snapshot["device_traces"][device]
+    if len(trace) >= capacity:
+        return (f"memory at the peak: the allocation history wrapped ({len(trace)} entries, the most kept): "
+                "trace fewer steps (logging.profile_steps)")
+    events = [e for e in trace if e["action"] in ("alloc", "free_requested")]
+    current, peak, peak_index = requested_at_start, requested_at_start, -1
     for index, event in enumerate(events):
         current += event["size"] if event["action"] == "alloc" else -event["size"]
         if current > peak:
@@ -175,7 +189,7 @@ def memory_at_peak(snapshot: dict, allocated_at_start: int, device: int = 0, top
         site[0] += event["size"]
         site[1] += 1
     recorded = sum(size for size, _ in sites.values())
-    lines = [f"allocated memory at its peak in the traced steps: {peak / 2**30:.2f} GiB "
+    lines = [f"memory at its peak in the traced steps: {peak / 2**30:.2f} GiB requested "
              f"({len(events)} allocations and frees recorded)",
              "      GiB  tensors  allocated at",
              f"  {(peak - recorded) / 2**30:7.2f}  {'':>7}  (before the traced steps: parameters, optimizer state, ...)"]
@@ -193,8 +207,9 @@ class StepProfiler:
     """Records optimizer steps first..last (inclusive, 1-based; cut at the run's final step) on
     rank 0 with torch.profiler, then writes <out_dir>/trace-rank0.json.gz (chrome://tracing,
     Perfetto) and summary.txt, and hands the summary to `report` (a log function). On GPUs it also
-    records the allocations of those steps (memory-rank0.pickle) and the summary ends with the
-    allocator's memory by stream after the last traced step and what was alive at the peak."""
+    records the allocations from the first traced step to the end of the last (an eval or a save
+    in between counts too; memory-rank0.pickle) and the summary ends with the allocator's memory by
+    stream after the last traced step and what was alive at the peak."""
 
     def __init__(self, steps: tuple[int, int] | None, final_step: int, out_dir: Path, enabled: bool,
                  report: Callable[[str], None]):
@@ -202,7 +217,7 @@ class StepProfiler:
         self.out_dir, self.report = out_dir, report
         self.profiler: torch.profiler.profile | None = None
         self.span: torch.profiler.record_function | None = None
-        self.allocated_at_start = 0
+        self.requested_at_start = 0
 
     def step_begins(self, step: int) -> None:
         if step == self.first:
@@ -212,9 +227,9 @@ class StepProfiler:
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
             if torch.cuda.is_available():
-                self.allocated_at_start = torch.cuda.memory_allocated()
+                self.requested_at_start = torch.cuda.memory_stats()["requested_bytes.all.current"]
                 torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python",
-                                                         max_entries=MEMORY_HISTORY_ENTRIES)
+                                                         max_entries=MEMORY_HISTORY_ENTRIES, clear_history=True)
         if self.profiler is not None:
             self.span = torch.profiler.record_function(f"{STEP_SPAN}{step}")
             self.span.__enter__()
@@ -235,12 +250,14 @@ class StepProfiler:
         trace.unlink()
         summary = summarize_trace(trace.with_suffix(".json.gz"))
         if torch.cuda.is_available():
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(None)
+            try:
+                snapshot = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(None)
             with open(self.out_dir / "memory-rank0.pickle", "wb") as f:
                 pickle.dump(snapshot, f)
             summary += ("\n\n" + memory_by_stream(snapshot)
-                        + "\n\n" + memory_at_peak(snapshot, self.allocated_at_start, torch.cuda.current_device()))
+                        + "\n\n" + memory_at_peak(snapshot, self.requested_at_start, torch.cuda.current_device()))
         (self.out_dir / "summary.txt").write_text(summary + "\n")
         self.profiler = None
         self.report(f"profile of steps ({self.first}, {self.last}) in {self.out_dir}:\n{summary}")

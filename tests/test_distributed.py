@@ -52,9 +52,10 @@ EQUIVALENT = [
     # the split needs), K/V all-gathered, documents of packed rows isolated by the mask.
     ("cp 2, padded rows", "untied", 2, ["--cp", "2", "--grad-accum", "2"], 1e-5, 1e-7),
     ("cp 2, packed rows", "untied", 2, ["--cp", "2", "--grad-accum", "4", "--packed"], 1e-5, 1e-7),
-    # checkpointed as plan.auto does for long rows (attention's output kept, K/V gathered again in
-    # backward), compiled
-    ("cp 2, tied, compiled blocks, ac 1 attention", "tied", 2,
+    ("cp 2, tied, checkpointed and compiled blocks", "tied", 2,
+     ["--cp", "2", "--grad-accum", "2", "--ac-ratio", "1", "--compile"], 1e-5, 1e-7),
+    # checkpointed as plan.auto does for long rows: attention's output kept
+    ("cp 2, compiled blocks, ac 1 attention", "untied", 2,
      ["--cp", "2", "--grad-accum", "2", "--ac-ratio", "1", "--ac-mode", "attention", "--compile"], 1e-5, 1e-7),
     ("cp 4, packed rows", "untied", 4, ["--cp", "4", "--grad-accum", "4", "--packed"], 1e-5, 1e-7),
     ("cp 2 x dp 2 (HSDP 2 x 2)", "untied", 4, ["--cp", "2", "--grad-accum", "2", "--replicate", "2"], 1e-5, 1e-7),

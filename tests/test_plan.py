@@ -147,7 +147,7 @@ def test_context_parallel_prediction_within_ten_percent(qwen7b, case):
 
 
 # (GPUs, GiB per GPU, tokens per row, offload) -> the smallest cp.degree that fits (P-7B config).
-# 256k on 8 GPUs: cp 2 would hold 15 GiB of gathered K/V (whole blocks) or attention's outputs.
+# 256k on 8 GPUs: cp 2 would hold 14 GiB of gathered K/V (whole blocks) or 24 GiB of attention's outputs.
 SMALLEST_CP = [(2, 79.1, 32768, False, 1), (2, 79.1, 65536, False, 2), (2, 79.1, 131072, False, None),
                (4, 79.1, 131072, False, 2), (8, 79.1, 262144, False, 4), (2, 79.1, 131072, True, 1)]
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from sft.profiling import kernel_class, memory_at_peak, memory_by_stream, summarize_trace
+from sft.profiling import REPO, kernel_class, memory_at_peak, memory_by_stream, summarize_trace
 
 
 def kernel(name: str, start: float, dur: float, stream: int) -> dict:
@@ -57,27 +57,29 @@ def test_memory_by_stream_shows_what_each_streams_pool_holds():
 
 
 def test_memory_at_peak_names_what_was_alive_and_where_it_was_allocated():
-    """A hand-made allocation history: 10 GiB allocated before it, one of them freed during it; the
-    peak (15 GiB) is before C's free, so D (allocated after it) is not counted."""
+    """A hand-made allocation history: 10 GiB requested before it, one of them freed during it;
+    the peak (15 GiB) is before the eager tensor's free, so the tensor allocated after it is not
+    counted."""
     gib = 2**30
-    site = "/usr/lib/python3/site-packages/"
-    fsdp = {"filename": site + "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "line": 300,
-            "name": "foreach_reduce"}
-    ours = {"filename": "/work/sft/parallel.py", "line": 90, "name": "allocate"}
+    fsdp = {"filename": "/usr/lib/python3/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py",
+            "line": 300, "name": "foreach_reduce"}
+    ours = {"filename": str(REPO / "sft/parallel.py"), "line": 90, "name": "allocate"}
     compiled = {"filename": "/tmp/torchinductor_u/ab/cabc123.py", "line": 41, "name": "call"}
-    block = {"filename": "/work/sft/model.py", "line": 12, "name": "forward"}
+    block = {"filename": str(REPO / "sft/model.py"), "line": 12, "name": "forward"}
     trace = [{"action": "alloc", "addr": 1, "size": 2 * gib, "frames": [fsdp, ours]},
              {"action": "alloc", "addr": 2, "size": gib, "frames": [compiled, block]},
-             {"action": "free_requested", "addr": 99, "size": gib},
-             {"action": "alloc", "addr": 3, "size": 3 * gib, "frames": []},
+             {"action": "free_requested", "addr": 99, "size": gib},  # requested before the history
+             {"action": "alloc", "addr": 3, "size": 3 * gib, "frames": []},  # eager backward
              {"action": "free_requested", "addr": 3, "size": 3 * gib},
              {"action": "free_completed", "addr": 3, "size": 3 * gib},
              {"action": "alloc", "addr": 4, "size": 2 * gib, "frames": [block]}]
-    lines = memory_at_peak({"device_traces": [trace]}, allocated_at_start=10 * gib).splitlines()
-    assert lines[0] == "allocated memory at its peak in the traced steps: 15.00 GiB (6 allocations and frees recorded)"
-    assert lines[2].split()[0] == "9.00"  # allocated before: 10 GiB less the one freed
+    lines = memory_at_peak({"device_traces": [trace]}, requested_at_start=10 * gib).splitlines()
+    assert lines[0] == "memory at its peak in the traced steps: 15.00 GiB requested (6 allocations and frees recorded)"
+    assert lines[2].split()[0] == "9.00"  # requested before: 10 GiB less the one freed
     assert [line.split(None, 2) for line in lines[3:]] == [
-        ["3.00", "1", "(no Python frame: an eager op's backward)"],
+        ["3.00", "1", "(no Python frame: C++, e.g. an eager op's backward)"],
         ["2.00", "1", "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:300 foreach_reduce  <-  "
                       "sft/parallel.py:90 allocate"],
         ["1.00", "1", "compiled cabc123.py:41 call  <-  sft/model.py:12 forward"]]
+    wrapped = memory_at_peak({"device_traces": [trace]}, requested_at_start=10 * gib, capacity=len(trace))
+    assert "history wrapped (7 entries, the most kept): trace fewer steps" in wrapped
