@@ -50,10 +50,11 @@
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/, installed once per machine
+if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/, installed once per set of wheels
   # (two invocations may run side by side on disjoint GPUs: run one stage first, e.g. `info`)
-  [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
+  wheels=$(ls .whl)
+  [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$wheels" ] || { python3 -m pip install -q --no-index --no-deps \
+    --no-compile --upgrade --target /tmp/site .whl/*.whl && echo "$wheels" > /tmp/site/.installed; }
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
