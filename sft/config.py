@@ -16,6 +16,7 @@ import inspect
 import math
 import os
 import sys
+import time
 import types
 import typing
 from collections.abc import Callable
@@ -35,6 +36,10 @@ class UserError(Exception):
     shared = False
 
 
+# How long ranks other than 0 wait before exiting on a shared error (torchrun ends them sooner).
+SHARED_ERROR_GRACE_S = 5.0
+
+
 def run_command(main: Callable[[], int | None]) -> None:
     """Run an entry point (train.py, `python -m sft.<tool>`) and exit with its status. Bad input is
     one line on stderr and exit status 2, never a traceback; under torchrun an error every rank
@@ -45,6 +50,10 @@ def run_command(main: Callable[[], int | None]) -> None:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or not e.shared:
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops every rank as soon as one exits: the others wait for rank 0, which
+            # raises the same error, to print it (without this the line was lost now and then).
+            time.sleep(SHARED_ERROR_GRACE_S)
         sys.exit(2)
 
 

@@ -19,7 +19,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import train  # noqa: E402  (the repository root, as torchrun runs train.py)
+import sft.config  # noqa: E402
 from sft.config import run_command  # noqa: E402
+
+# One process runs every case, so no rank's exit can cut rank 0's line short: no grace to wait.
+sft.config.SHARED_ERROR_GRACE_S = 0.0
 
 
 def main() -> None:
