@@ -157,14 +157,15 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     per_token_layer += moe_bytes_per_token(s)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
-    per_token_layer += (cp - 1) * 2 * 2 * s.kv_dim  # the other ranks' K and V (sft/context_parallel.py)
+    gathered_kv = 2 * 2 * s.kv_dim  # bytes per token of a row's gathered K and V (bf16; sft/context_parallel.py)
+    per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
     kept = 2 * s.hidden if ac_mode == "blocks" else ops_bytes_per_token(s, compiled, ac_mode)
     if ac_mode == "blocks" and compiled and cp > 1:
         # Measured at 128k-token rows (cp 2 and cp 4, docs/BENCHMARKS.md issue #25): compiled
         # whole-block checkpointing peaks 7-8 GiB above its blocks' inputs and one block's
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
         # GPU's share), which ac.mode=attention does not; counted here as kept per block.
-        kept += cp * 2 * 2 * s.kv_dim
+        kept += cp * gathered_kv
     activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
     if checkpointed:
         # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
