@@ -12,7 +12,7 @@
 #   acp7b acp7bf8 acv7b ac32k   issue #24, meant for 2 GPUs (NGPU=2): whole-block vs op-level activation
 #             checkpointing (ac.mode) and plan.auto's choice, one table each with tok/s/GPU, peak and reserved
 #             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
-#             traced at steps 9-10), P-7B float8, V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
+#             traced at steps 9-10), P-7B float8 (TRACE=1: plan.auto's run traced), V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
 #             float8 (8 steps). ONLY=regex runs the matching runs
 #   longctx   issue #25 on 2 GPUs (NGPU=2), Qwen2.5-7B shapes, fp32 masters, ac 1 (blocks or attention), one
 #             row per cp group: a 64k document with cp 2, a 128k document with cp 2 + fsdp.cpu_offload (the
@@ -186,16 +186,17 @@ acp7b-ac1-bf16reduce   configs/bench/p7b.yaml ac.ratio=1 fsdp.reduce_dtype=bfloa
 acp7b-ac1-ops_half-bf16reduce configs/bench/p7b.yaml ac.ratio=1 ac.mode=ops_half fsdp.reduce_dtype=bfloat16
 RUNS
       ;;
-    acp7bf8)  # P-7B float8 tensorwise: ac 1 to 0.5, op-level at ac 1 and 0.75, plan.auto
+    acp7bf8)  # P-7B float8 tensorwise: ac 1 to 0.5, op-level at ac 1 and 0.75, plan.auto (TRACE=1: traced at steps 9-10)
       p7b_data
-      ac_runs acp7bf8 <<'RUNS'
+      TRACED=${TRACE:+logging.profile_steps=[9,10]}
+      ac_runs acp7bf8 <<RUNS
 acp7bf8-ac1            configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1
 acp7bf8-ac0.75         configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.75
 acp7bf8-ac0.5          configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.5
 acp7bf8-ac1-ops_half   configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops_half
 acp7bf8-ac0.75-ops_half configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=0.75 ac.mode=ops_half
 acp7bf8-ac1-ops        configs/bench/p7b.yaml precision.float8=tensorwise ac.ratio=1 ac.mode=ops
-acp7bf8-auto           configs/bench/p7b.yaml precision.float8=tensorwise plan.auto=true
+acp7bf8-auto           configs/bench/p7b.yaml precision.float8=tensorwise plan.auto=true $TRACED
 RUNS
       ;;
     acv7b)  # V-7B packed (flex attention), bf16 and float8
