@@ -31,8 +31,11 @@ install: .cache/installed
 demo-data:
 	$(PYTHON) scripts/demo_data.py --out data/demo
 
+# The demo's processes share the cores (the tests keep one thread each: OMP_NUM_THREADS above).
+DEMO_THREADS ?= $(shell n=$$(( $$(nproc) / $(NPROC) )); echo $$(( n > 0 ? n : 1 )))
+
 demo: install demo-data
-	$(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo.yaml
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo.yaml
 	-$(PYTHON) -m sft.plot runs/demo
 	$(PYTHON) -m sft.chat runs/demo/export --prompt "Spell the word 'rocket'."
 
