@@ -9,7 +9,8 @@ float8 rounding hurts the loss most; the embedding is a lookup, not a matmul).
 Recipes (precision.float8):
 * tensorwise: one scale per tensor. FSDP all-gathers the weights already cast to float8 (half
   the bytes of bf16), with their scales computed for all blocks in one all-reduce after each
-  optimizer step (`precompute_float8_scales`). The fastest.
+  optimizer step (`precompute_float8_scales`), and each shard's cast compiled into one kernel
+  (`fuse_weight_casts`). The fastest.
 * rowwise: one scale per row; more accurate with outliers, slower, bf16 all-gather.
 
 torchao is an optional dependency (pip install -e '.[fp8]'): only this module uses it, and only
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from sft.distributed import log0
@@ -52,10 +54,11 @@ def _skip_reason(linear: nn.Linear) -> str | None:
     return None
 
 
-def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False) -> None:
+def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, compiled: bool = False) -> None:
     """Swap the blocks' nn.Linear layers for Float8Linear in place (on the meta model, before
     activation checkpointing, compile and fully_shard wrap them); Linears whose dimensions do not
-    suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged.
+    suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged. `compiled`: the
+    blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts).
 
     `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
     CPU's float8 matmul is a reference kernel about 200x slower than torchao's emulation."""
@@ -73,10 +76,45 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False) ->
 
     for block in blocks:
         convert_to_float8_training(block, module_filter_fn=convert, config=config)
+    if recipe == "tensorwise" and compiled:
+        fuse_weight_casts()
     converted = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
     details = "; ".join(f"{len(names)} with {reason} (e.g. {names[0]})" for reason, names in skipped.items())
     log0(f"applied float8 ({recipe}) to {converted} linears in {len(blocks)} blocks, "
          f"skipped {sum(map(len, skipped.values()))}" + (f": {details}" if details else ""))
+
+
+def scale_to_float8(weight: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
+    """A float32 weight shard in float8 at a precomputed scale, as torchao casts it for the float8
+    all-gather: multiplied by the scale in float32, saturated to the float8 range, rounded."""
+    limit = torch.finfo(float8_dtype).max
+    return (weight.to(torch.float32) * scale).clamp(-limit, limit).to(float8_dtype)
+
+
+def fuse_weight_casts() -> None:
+    """Cast each tensorwise weight shard for its float8 all-gather in one compiled kernel.
+
+    torchao runs scale_to_float8 eagerly, three kernels that each stream the float32 shard
+    (multiply, clamp, cast), before every all-gather: the forward's and the backward's, every
+    block. On 2 x H100 (P-7B) that was 95 ms of each 0.66 s step on the all-gather's stream,
+    competing with the compute for memory bandwidth (docs/BENCHMARKS.md). Compiled, the shard is
+    read once and the float8 copy written once: the same bytes (tests/test_float8.py). Replaces
+    the method of torchao's weight class, the only place FSDP2 asks for the all-gather's input;
+    before the first precomputed scale torchao's own path (amax, then cast) still runs."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
+    if getattr(Weight.fsdp_pre_all_gather, "fused", False):
+        return
+    torchao_pre_all_gather, cast = Weight.fsdp_pre_all_gather, torch.compile(scale_to_float8, dynamic=True)
+
+    def fsdp_pre_all_gather(self, mesh):
+        scale = self._precomputed_scale
+        if scale is None:
+            return torchao_pre_all_gather(self, mesh)
+        return (cast(self._tensor, scale, self._dtype),), (scale,)
+
+    fsdp_pre_all_gather.fused = True
+    Weight.fsdp_pre_all_gather = fsdp_pre_all_gather
 
 
 def precompute_float8_scales(model: nn.Module, recipe: str) -> None:

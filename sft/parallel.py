@@ -225,7 +225,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, ac:
     if cp is not None and cp.degree > 1:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, cp)
     if float8 != "none":
-        apply_float8(blocks, float8, emulate=mesh.device_type == "cpu")
+        apply_float8(blocks, float8, emulate=mesh.device_type == "cpu", compiled=compile_blocks)
     blocks = apply_ac(model, blocks, ac)
     if compile_blocks:
         apply_compile(blocks)

@@ -135,6 +135,37 @@ def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
     assert rowwise.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
 
 
+@pytest.mark.slow  # compiles the cast (inductor)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_weight_cast_gives_torchao_bytes(device):
+    """A tensorwise weight shard's float8 all-gather input, cast in one compiled kernel
+    (fuse_weight_casts), is byte for byte what torchao's eager cast gives: values in range,
+    saturated ones, ones that round to zero, zeros. The cuda case runs where there is a GPU."""
+    pytest.importorskip("torchao")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU here (run it on one: the GPU's float8 cast is another kernel)")
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig, hp_tensor_and_scale_to_float8
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from sft.float8 import fuse_weight_casts
+
+    torch.manual_seed(0)
+    shard = torch.randn(96, 80, device=device) * 0.05
+    shard[0, :8] = torch.tensor([3.0, -3.0, 1e-9, -1e-9, 0.0, -0.0, 0.5, -0.25])  # saturate, underflow, zero
+    dtype, config = torch.float8_e4m3fn, LinearMMConfig()
+    scale = (torch.finfo(dtype).max / shard[1:].abs().amax()).to(torch.float32)
+    expected = hp_tensor_and_scale_to_float8(shard, scale, dtype, config, GemmInputRole.WEIGHT)._data
+
+    fuse_weight_casts()
+    weight = WeightWithDynamicFloat8CastTensor(shard, config, dtype, precomputed_scale=scale)
+    assert WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather.fused  # the compiled cast, not torchao's
+    (data,), (data_scale,) = weight.fsdp_pre_all_gather(None)
+    assert data.dtype == dtype and data_scale is scale
+    assert torch.equal(data.view(torch.uint8), expected.view(torch.uint8))
+    assert data[0, :2].float().abs().tolist() == [torch.finfo(dtype).max] * 2  # saturated, not NaN
+    assert data[0, 2:6].float().tolist() == [0.0] * 4
+
+
 @pytest.mark.slow
 def test_checkpoints_and_export_interchangeable_between_float8_and_bf16(tmp_path):
     """2 gloo ranks through the real path (meta -> float8 -> FSDP2 -> materialize -> load):
