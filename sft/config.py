@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import math
 import os
+import signal
 import sys
 import time
 import types
@@ -53,6 +54,8 @@ def run_command(main: Callable[[], int | None]) -> None:
         else:
             # torchrun stops every rank as soon as one exits: the others wait for rank 0, which
             # raises the same error, to print it (without this the line was lost now and then).
+            # Once it has, torchrun's SIGTERM ends the wait: not the stop-save handler's to catch.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(SHARED_ERROR_GRACE_S)
         sys.exit(2)
 
