@@ -31,8 +31,9 @@ install: .cache/installed
 demo-data:
 	$(PYTHON) scripts/demo_data.py --out data/demo
 
-# The demo's processes share the cores (the tests keep one thread each: OMP_NUM_THREADS above).
-DEMO_THREADS ?= $(shell n=$$(( $$(nproc) / $(NPROC) )); echo $$(( n > 0 ? n : 1 )))
+# The demo's processes share the cores. nproc counts the cores this process may use, but obeys
+# OMP_NUM_THREADS (exported above, and passed to $(shell) by make >= 4.4): ask it without.
+DEMO_THREADS ?= $(shell n=$$(( $$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) / $(NPROC) )); echo $$(( n > 0 ? n : 1 )))
 
 demo: install demo-data
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo.yaml
