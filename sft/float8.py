@@ -86,7 +86,8 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, co
 
 def scale_to_float8(weight: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:
     """A float32 weight shard in float8 at a precomputed scale, as torchao casts it for the float8
-    all-gather: multiplied by the scale in float32, saturated to the float8 range, rounded."""
+    all-gather: multiplied by the scale in float32, saturated to the float8 range, rounded. (The
+    clamp is torchao's too: before torch 2.12, the GPUs' torch, an eager cast did not saturate.)"""
     limit = torch.finfo(float8_dtype).max
     return (weight.to(torch.float32) * scale).clamp(-limit, limit).to(float8_dtype)
 
@@ -94,18 +95,24 @@ def scale_to_float8(weight: torch.Tensor, scale: torch.Tensor, float8_dtype: tor
 def fuse_weight_casts() -> None:
     """Cast each tensorwise weight shard for its float8 all-gather in one compiled kernel.
 
-    torchao runs scale_to_float8 eagerly, three kernels that each stream the float32 shard
+    torchao computes scale_to_float8 eagerly, in three kernels that each stream the float32 shard
     (multiply, clamp, cast), before every all-gather: the forward's and the backward's, every
-    block. On 2 x H100 (P-7B) that was 95 ms of each 0.66 s step on the all-gather's stream,
-    competing with the compute for memory bandwidth (docs/BENCHMARKS.md). Compiled, the shard is
-    read once and the float8 copy written once: the same bytes (tests/test_float8.py). Replaces
-    the method of torchao's weight class, the only place FSDP2 asks for the all-gather's input;
-    before the first precomputed scale torchao's own path (amax, then cast) still runs."""
+    block. On 2 x H100 (P-7B) that was 95 ms of a 705 ms traced step on FSDP's all-gather copy-in
+    stream, competing with the compute for memory bandwidth; fused, the step ran 4.8% faster
+    (docs/BENCHMARKS.md). Compiled, the shard is read once and the float8 copy written once: the
+    same bytes (tests/test_float8.py). Replaces the method of torchao's weight class, the only place
+    FSDP2 asks for the all-gather's input; before the first precomputed scale torchao's own path
+    (amax, then cast) still runs."""
+    import inspect
+
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
     if getattr(Weight.fsdp_pre_all_gather, "fused", False):
         return
     torchao_pre_all_gather, cast = Weight.fsdp_pre_all_gather, torch.compile(scale_to_float8, dynamic=True)
+    # FSDP2 calls the method by its signature; torchao 0.18's takes the mesh only.
+    assert list(inspect.signature(torchao_pre_all_gather).parameters) == ["self", "mesh"], \
+        "torchao's fsdp_pre_all_gather changed: sft/float8.py:fuse_weight_casts must follow it"
 
     def fsdp_pre_all_gather(self, mesh):
         scale = self._precomputed_scale

@@ -21,7 +21,7 @@ from sft.checkpoint import Checkpointer
 from sft.collate import collate
 from sft.config import ACConfig, Config, FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.float8 import precompute_float8_scales
+from sft.float8 import fuse_weight_casts, precompute_float8_scales
 from sft.loss import attach_sft_loss, forward_backward, loss_inputs
 from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_tokenizer, load_weights,
                        materialize, real_buffers)
@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--resume")
     p.add_argument("--save")
     p.add_argument("--reload-as")
+    p.add_argument("--fuse-casts", action="store_true", help="the float8 all-gather's compiled cast, as with compile")
     args = p.parse_args()
 
     env = init_distributed()
@@ -69,6 +70,8 @@ def main() -> None:
     model_cfg = ModelConfig(name_or_path=args.model, init="random")
     mesh = build_mesh(env.device.type, env.world_size, 1)
     model, optimizer, scheduler = build(model_cfg, args.float8, env, mesh)
+    if args.fuse_casts:
+        fuse_weight_casts()
     result: dict = {"float8_linears": sorted(clean_name(n) for n, m in model.named_modules()
                                              if type(m).__name__ == "Float8Linear")}
     # The run's checkpoints go to <save>/run/checkpoints (Checkpointer's layout).
