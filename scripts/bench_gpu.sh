@@ -11,9 +11,9 @@
 #   attncp    one context-parallel rank's attention (cp 2) at 64k and 128k: time and peak memory
 #   acp7b acp7bf8 acv7b ac32k   issue #24, meant for 2 GPUs (NGPU=2): whole-block vs op-level activation
 #             checkpointing (ac.mode) and plan.auto's choice, one table each with tok/s/GPU, peak and reserved
-#             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; ac 1 and 0.75
-#             traced at steps 9-10), P-7B float8 (TRACE=1: plan.auto's run traced), V-7B packed bf16 and float8, 32k tokens x 1 row bf16 and
-#             float8 (8 steps). ONLY=regex runs the matching runs
+#             GiB, allocator retries, and the planner's prediction per run: P-7B bf16 (~7 min; TRACE=1: ac 1
+#             and 0.75 traced at steps 9-10), P-7B float8 (TRACE=1: plan.auto's run traced), V-7B packed
+#             bf16 and float8, 32k tokens x 1 row bf16 and float8 (8 steps). ONLY=regex runs the matching runs
 #   longctx   issue #25 on 2 GPUs (NGPU=2), Qwen2.5-7B shapes, fp32 masters, ac 1 (blocks or attention), one
 #             row per cp group: a 64k document with cp 2, a 128k document with cp 2 + fsdp.cpu_offload (the
 #             attention run profiled at step 5), 128k rows packed from the long tail (lengths log-normal, median

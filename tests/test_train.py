@@ -35,7 +35,8 @@ def test_the_demo_prints_what_the_readme_shows(tmp_path, full_demo_data, capsys)
 
     shown_eval, shown_answer = readme_demo_output()
     assert shown_answer == "rocket is spelled r-o-c-k-e-t."
-    # As `make demo` runs it: one process with a thread per core (the same losses as one thread).
+    # As `make demo` runs it: one process with a thread per core (on the 2-core machine, the same
+    # losses to the last digit as one thread).
     proc = run_demo(full_demo_data, tmp_path, "demo", env={"OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))})
     assert f"] {shown_eval}\n" in proc.stdout, proc.stdout[-2000:]
     assert run_cli(chat, [str(tmp_path / "demo" / "export"), "--prompt", "Spell the word 'rocket'."],
