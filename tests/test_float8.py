@@ -157,6 +157,7 @@ def test_fused_weight_cast_gives_torchao_bytes(device, monkeypatch):
     scale = (torch.finfo(dtype).max / shard[1:].abs().amax()).to(torch.float32)
     weight = Weight(shard, LinearMMConfig(), dtype, precomputed_scale=scale)
     monkeypatch.setattr(Weight, "fsdp_pre_all_gather", Weight.fsdp_pre_all_gather)  # undone after the test
+    assert not getattr(Weight.fsdp_pre_all_gather, "fused", False)
     (expected,), (expected_scale,) = weight.fsdp_pre_all_gather(None)  # torchao's
 
     fuse_weight_casts()
