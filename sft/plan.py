@@ -22,7 +22,7 @@ With precision.float8 the inputs of the block's Linear layers (3 h + ffn values)
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
 attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
-planner" and its issue #24 and #25 sections compare the predictions with 43 measured peaks
+planner" and its issue #24 and #25 sections compare the predictions with 45 measured peaks
 (0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures are estimates: leave a margin.
 
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32

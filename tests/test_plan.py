@@ -51,6 +51,9 @@ MEASURED = {
     ("qwen2.5-7b", 2, 8192, 0.5, True, True, 1, False, True, "blocks", 1): 65.3,
     ("qwen2.5-7b", 2, 8192, 0.75, True, True, 1, False, True, "ops_half", 1): 67.2,
     ("qwen2.5-7b", 2, 32768, 1.0, True, True, 1, False, False, "attention", 1): 67.4,
+    # 4 x H100, 1 x 32768 (issue #24, fourth measurement)
+    ("qwen2.5-7b", 4, 32768, 1.0, True, True, 1, False, False, "blocks", 1): 40.6,
+    ("qwen2.5-7b", 4, 32768, 1.0, True, True, 1, False, False, "attention", 1): 45.9,
     # context parallelism (docs/BENCHMARKS.md "Context parallelism"), one row per cp group, ac 1:
     # 2 x H100: 64k rows at cp 2, 128k rows at cp 2 with offload; 4 x H100: 128k rows at cp 4
     ("qwen2.5-7b", 2, 32768, 1.0, True, True, 1, False, False, "blocks", 2): 67.9,
