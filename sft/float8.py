@@ -21,6 +21,7 @@ needs it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,8 +104,6 @@ def fuse_weight_casts() -> None:
     same bytes (tests/test_float8.py). Replaces the method of torchao's weight class, the only place
     FSDP2 asks for the all-gather's input; before the first precomputed scale torchao's own path
     (amax, then cast) still runs."""
-    import inspect
-
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
     if getattr(Weight.fsdp_pre_all_gather, "fused", False):
