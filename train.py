@@ -12,6 +12,10 @@ shutdown path (final or stop save, export). The machinery lives in sft/, one con
 
 from __future__ import annotations
 
+# First, before the seconds of importing torch: it notes the torchrun that started this worker,
+# whose death it watches for (sft/preemption.py).
+from sft.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker  # isort: skip
+
 import dataclasses
 import random
 import time
@@ -22,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from sft.checkpoint import Checkpointer
-from sft.config import check_machine, parse_args, run_command
+from sft.config import check_machine, parse_args
+from sft.errors import run_command
 from sft.context_parallel import ContextParallel
 from sft.data import TrainBatches, MicroBatches, load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
@@ -36,7 +41,6 @@ from sft.moe import apply_moe
 from sft.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.parallel import build_mesh, parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
-from sft.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker
 from sft.profiling import StepProfiler
 from sft.rundir import RunDirectory
 
@@ -44,11 +48,11 @@ from sft.rundir import RunDirectory
 def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
+    # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step, and the
+    # death of the launcher ends it at once until training starts (sft/preemption.py).
+    stop = StopRequest(cfg.run_dir / STOP_REQUEST, started_at=time.time() - seconds_since_process_start())
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
-    # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step.
-    stop = StopRequest(cfg.run_dir / STOP_REQUEST if env.is_main else None,
-                       started_at=time.time() - seconds_since_process_start())
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
@@ -152,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
         logger.log(entry)
         profiler.step_ends(step)
-        if step == start_step + 1:
-            ckpt.prepare_staging(model, optimizer)  # host buffers for asynchronous saves, in the background
         ckpt.poll()  # commits a background save once every rank has written it
         if stopped:
             break
+        if step == start_step + 1:
+            ckpt.prepare_staging(model, optimizer)  # host buffers for asynchronous saves, in the background
         if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total_steps:
             save(step, blocking=False)
         if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:

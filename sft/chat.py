@@ -10,9 +10,13 @@ lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on t
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sft.config import is_local_path
+from sft.errors import UserError, run_command
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -33,20 +37,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args(argv)
+    model_dir = Path(args.model_dir).expanduser()
+    if (model_dir.exists() or is_local_path(args.model_dir)) and not (model_dir / "config.json").is_file():
+        raise UserError(f"{args.model_dir}: not a model directory (no config.json there); give an export, e.g. "
+                        "runs/demo/export (checkpoint.export_hf: true or python -m sft.export)")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).train(False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
-    for prompt in prompts:
-        messages.append({"role": "user", "content": prompt})
-        answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature)
-        messages.append({"role": "assistant", "content": answer})
-        print(answer if args.prompt else f"model> {answer}", flush=True)
+    try:
+        for prompt in prompts:
+            messages.append({"role": "user", "content": prompt})
+            answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature)
+            messages.append({"role": "assistant", "content": answer})
+            print(answer if args.prompt else f"model> {answer}", flush=True)
+    except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end of the chat
+        pass
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (EOFError, KeyboardInterrupt):
-        pass
+    run_command(main)

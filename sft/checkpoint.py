@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import atomic
-from sft.config import Config, UserError, to_yaml
+from sft.config import Config, to_yaml
+from sft.errors import UserError
 from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.model import initial_weights, load_weights
 
@@ -141,20 +142,24 @@ def content_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | Non
     flip, a partial overwrite, bytes of the right size that are not the checkpoint), or None. Never
     raises: a file that cannot be read is a problem like any other (every rank must reach the
     collective that compares their answers). A checkpoint written before digests existed has none."""
+    reading = DIGESTS
     try:
         if not (path / DIGESTS).is_file():
-            state = path / "train_state.json"
+            reading = "train_state.json"
+            state = path / reading
             return f"missing {DIGESTS}" if state.is_file() and json.loads(state.read_text()).get("digests") else None
         digests = json.loads((path / DIGESTS).read_text())
+        if not isinstance(digests, dict) or not all(isinstance(d, str) for d in digests.values()):
+            return f"unreadable {DIGESTS} (not a mapping of file names to digests)"
         unlisted = [data.name for data in _data_files(path) if data.name not in digests]
         if rank == 0 and unlisted:
             return f"{unlisted[0]} is not in {DIGESTS}"
-        for name in sorted(digests)[rank::world_size]:
-            if _digest(path / name) != digests[name]:
-                return f"{name} differs from its digest (damaged after it was written)"
+        for reading in sorted(digests)[rank::world_size]:
+            if _digest(path / reading) != digests[reading]:
+                return f"{reading} differs from its digest (damaged after it was written)"
         return None
-    except Exception as e:  # unreadable (EIO, a stale handle) or a digests.json that is not ours
-        return f"unreadable ({type(e).__name__}: {e})"
+    except Exception as e:  # unreadable (EIO, a stale handle, garbage)
+        return f"unreadable {reading} ({type(e).__name__}: {e})"
 
 
 def _write_shards(state: dict, tmp: Path, group: dist.ProcessGroup | None, rank: int, world_size: int) -> dict:
@@ -265,9 +270,19 @@ class Checkpointer:
         self.cfg, self.tokenizer, self.env = cfg, tokenizer, env
         # The save in flight: its commit, the background write, and this rank's own error, if any.
         self._pending: tuple[_WrittenByAllRanks, Future | None, BaseException | None] | None = None
-        # Made by the first asynchronous save: its process group and writer thread.
+        # Asynchronous saves: a gloo group and a writer thread of their own, so the background
+        # collectives do not interleave with the training loop's. Made now, at start-up (a collective):
+        # making a group needs the launcher's store, which a stop-save must not (sft/preemption.py).
+        # The thread works on this rank's GPU (pinning from another device's context would start a
+        # CUDA context there).
         self._group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
+        if cfg.checkpoint.stages_in_host_memory:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=cfg.dist.timeout_minutes))
+            on_gpu = env.device.type == "cuda"
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
+                                              initializer=torch.cuda.set_device if on_gpu else None,
+                                              initargs=(env.device,) if on_gpu else ())
         self._staging = HostStaging()
         self._staging_job: Future | None = None  # the writer thread making or pinning host buffers
         self.skipped: set[Path] = set()  # damaged checkpoints resume_point passed over
@@ -388,9 +403,10 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight: the previous one is committed first
         waited = time.perf_counter() - t0
-        if waited > 1:
-            log0(f"checkpoint: waited {waited:.1f} s for the previous save's write; save less "
-                 "often than the disk writes a checkpoint (checkpoint.every_steps)")
+        if waited > 1:  # the advice is for periodic saves; the final or a stop-save must wait anyway
+            log0(f"checkpoint: waited {waited:.1f} s for the previous save's write"
+                 + ("; save less often than the disk writes a checkpoint (checkpoint.every_steps)" if not blocking
+                    else " to commit first"))
         final = self.root / f"step-{step}"
         commit = _WrittenByAllRanks(final, self.env, checkpoints=self.root)
         tmp = commit.begin()
@@ -428,26 +444,12 @@ class Checkpointer:
         on, so that the first save, too, only copies."""
         if self.cfg.checkpoint.stages_in_host_memory:
             state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-            self._start_writer(state)
+            staged = sum(_local(tensor).nbytes for tensor in _tensors_of(state)) / 2**30
+            log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
+                 "(rank 0's share; pinned where the state is on the GPU)")
             self._staging_job = self._writer.submit(self._staging.allocate, state, self.env.rank)
 
-    def _start_writer(self, state: dict) -> None:
-        """Collective (new_group), once: a gloo group and a writer thread of their own, so the
-        background collectives do not interleave with the training loop's. The thread works on this
-        rank's GPU (pinning from another device's context would start a CUDA context there)."""
-        if self._group is not None:
-            return
-        self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=self.cfg.dist.timeout_minutes))
-        on_gpu = self.env.device.type == "cuda"
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer",
-                                          initializer=torch.cuda.set_device if on_gpu else None,
-                                          initargs=(self.env.device,) if on_gpu else ())
-        staged = sum(_local(tensor).nbytes for tensor in _tensors_of(state)) / 2**30
-        log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
-             "(rank 0's share; pinned where the state is on the GPU)")
-
     def _async_save(self, state: dict, tmp: Path) -> Future:
-        self._start_writer(state)
         # Training waits only for this copy (and, should they still run, for the buffers being made
         # or pinned); save() waited for the previous write, so the buffers are free.
         t0 = time.perf_counter()

@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import atexit
 import importlib.util
 import dataclasses
-import gc
 import inspect
 import math
-import os
-import signal
 import sys
-import time
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -30,42 +24,7 @@ from typing import Any, Literal
 import torch
 import yaml
 
-
-class UserError(Exception):
-    """Bad input or state that the user must fix: train.py prints the message as one line (no
-    traceback) and exits with status 2. `shared` marks an error that every rank raises alike
-    (decided on rank 0, or from the same config): rank 0 alone reports it."""
-
-    shared = False
-
-
-# How long ranks other than 0 wait before exiting on a shared error (torchrun ends them sooner).
-SHARED_ERROR_GRACE_S = 5.0
-
-
-def run_command(main: Callable[[], int | None]) -> None:
-    """Run an entry point (train.py, `python -m sft.<tool>`) and exit with its status. Bad input is
-    one line on stderr and exit status 2, never a traceback; under torchrun an error every rank
-    raises alike (`shared`) is printed once, by rank 0."""
-    # At exit the interpreter's last garbage collection walks every object torch, transformers and
-    # their imports created: ~1 s of every process's exit on the 2-core CPU machine, for nothing (no
-    # finaliser of ours is left to run then: logs, checkpoints and exports are closed explicitly).
-    # Frozen, they are skipped (0.17 s). Registered here, it touches only processes that run an
-    # entry point (in-process test calls register it again: freezing twice at exit is harmless).
-    atexit.register(gc.freeze)
-    try:
-        sys.exit(main())
-    except UserError as e:
-        rank = int(os.environ.get("RANK", "0"))
-        if rank == 0 or not e.shared:
-            print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        else:
-            # torchrun stops every rank as soon as one exits: the others wait for rank 0, which
-            # raises the same error, to print it (without this the line was lost now and then).
-            # Once it has, torchrun's SIGTERM ends the wait: not the stop-save handler's to catch.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(SHARED_ERROR_GRACE_S)
-        sys.exit(2)
+from sft.errors import UserError, run_command
 
 
 class ConfigError(UserError):
@@ -420,10 +379,35 @@ def _range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(cfg.logging.every_steps >= 1, "logging.every_steps", cfg.logging.every_steps, "must be >= 1")
     check(cfg.logging.profile_steps is None or 1 <= cfg.logging.profile_steps[0] <= cfg.logging.profile_steps[1],
           "logging.profile_steps", cfg.logging.profile_steps, "must be [first, last] with 1 <= first <= last")
+    if local_checks:
+        problems += _attention_checks(cfg.model.attn_implementation)
     for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and local_checks and _looks_like_local_file(value):
-            check(Path(value).is_file(), key, value, "file not found; give an existing file or a hub dataset name")
+        if value and local_checks and is_local_path(value):
+            check(Path(value).expanduser().exists(), key, value,
+                  "file not found; give an existing file or a hub dataset name")
     return problems
+
+
+# The module each of transformers' flash attention kernels imports (FA4 ships inside flash_attn).
+_FLASH_ATTENTION_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface",
+                            "flash_attention_4": "flash_attn"}
+
+
+def _attention_checks(name: str) -> list[str]:
+    """model.attn_implementation: a name transformers knows (asked of transformers, so the kernels of
+    a newer version are accepted), whose package is installed. Whether the kernel runs on this
+    machine's GPU is transformers' own check when the model is built (sft/model.py)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    key = f"model.attn_implementation={name!r}"
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]
+    if name not in known and "/" not in name:  # org/repo: a kernel from the hub (the kernels package)
+        return [f"{key}: not an attention implementation transformers knows (one of {', '.join(sorted(known))})"]
+    module = _FLASH_ATTENTION_MODULES.get(name, "kernels" if "/" in name else None)
+    if module and importlib.util.find_spec(module) is None:
+        return [f"{key}: needs the {module} package, which is not installed here; install it, or use sdpa "
+                "(or flex_attention for packed rows)"]
+    return []
 
 
 def _float8_checks(cfg: Config, local_checks: bool) -> list[str]:
@@ -467,8 +451,14 @@ def check_machine(cfg: Config, device: torch.device) -> None:
         raise ConfigError("invalid config for this machine:\n  - " + "\n  - ".join(problems))
 
 
-def _looks_like_local_file(path: str) -> bool:
-    return path.endswith((".jsonl", ".json", ".parquet")) or path.startswith(("/", "./", "../"))
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def is_local_path(path: str) -> bool:
+    """Whether `path` (a model, tokenizer, dataset or export) names something on this machine rather
+    than the hub: it starts with / . or ~, names a data file, or has more '/' than a hub id
+    ('name' or 'org/name'). The one rule every loader and check asks."""
+    return path.startswith(("/", ".", "~")) or path.endswith(DATA_FILE_SUFFIXES) or path.count("/") > 1
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -582,7 +572,13 @@ def load_config(path: str | Path | None, overrides: list[str] = (), local_checks
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: write overrides as section.key=value (e.g. ac.ratio=0.5)")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(f"{source}: override {item!r}: the value is not valid YAML ({problem}); write it as YAML, "
+                              "e.g. 'data.chat_template_kwargs={enable_thinking: false}', quoted for the shell") from None
+        _set_dotted(tree, key.strip(), value)
     problems: list[str] = []
     cfg = _build_section(Config, tree, "", problems)
     if not problems:

@@ -39,7 +39,8 @@ from datasets.fingerprint import Hasher
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from sft.config import ConfigError, DataConfig, UserError, load_config, run_command
+from sft.config import DATA_FILE_SUFFIXES, ConfigError, DataConfig, load_config
+from sft.errors import UserError, run_command
 from sft.distributed import log0, rank0_first
 from sft import masking
 from sft.collate import collate, collate_packed
@@ -62,9 +63,9 @@ class DataError(UserError):
 SOURCE_ROW = "source_row"
 
 
-def _check_jsonl(path: Path, source: str) -> None:
-    """After `datasets` failed to read a JSONL file: raise a DataError naming the first bad line (not
-    UTF-8, not JSON, not an object), if any."""
+def _check_text(path: Path, source: str) -> None:
+    """After `datasets` failed to read a JSON or JSONL file: raise a DataError naming the first line
+    that is not UTF-8 text, or (JSONL) not one JSON object, if any."""
     nonblank = 0
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):
@@ -73,7 +74,7 @@ def _check_jsonl(path: Path, source: str) -> None:
             except UnicodeDecodeError as e:
                 raise DataError(f"{source}: line {number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
                                 f"{e.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
-            if not line.strip():
+            if path.suffix != ".jsonl" or not line.strip():
                 continue
             nonblank += 1
             try:
@@ -83,14 +84,14 @@ def _check_jsonl(path: Path, source: str) -> None:
             if not isinstance(row, dict):
                 raise DataError(f"{source}: line {number} is a JSON {type(row).__name__}, "
                                 "expected one object per line like {\"messages\": [...]}")
-    if nonblank == 0:
+    if nonblank == 0 and path.suffix == ".jsonl":
         raise DataError(f"{source}: the dataset is empty (only blank lines)")
 
 
 def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None, key: str) -> datasets.Dataset:
     local, source = Path(path), f"{key}={path!r}"
     try:
-        if local.suffix in (".jsonl", ".json", ".parquet"):
+        if local.suffix in DATA_FILE_SUFFIXES:
             if not local.is_file():
                 raise DataError(f"{source}: file not found")
             if local.stat().st_size == 0:
@@ -104,9 +105,10 @@ def _load_rows(path: str, subset: str | None, split: str, cache_dir: str | None,
     except DataError:
         raise
     except Exception as e:  # datasets raises many types (hub, parsing, missing split)
-        if local.suffix == ".jsonl":  # its messages do not say which line; find it
-            _check_jsonl(local, source)
-        raise DataError(f"{source}: could not load the dataset: {type(e).__name__}: {e}") from None
+        if local.suffix in (".jsonl", ".json"):  # its messages do not say which line, or why; find it
+            _check_text(local, source)
+        cause = f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else ""
+        raise DataError(f"{source}: could not load the dataset: {type(e).__name__}: {e}{cause}") from None
     if len(rows) == 0:
         raise DataError(f"{source}: the dataset is empty")
     return rows.add_column(SOURCE_ROW, list(range(len(rows))))
@@ -305,17 +307,17 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
                              features=_TOKENIZED_FEATURES, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
                              new_fingerprint=fingerprint, desc=f"tokenising {split_name}")
     except UnicodeDecodeError as e:  # pyarrow keeps invalid UTF-8 until a row is read
-        if Path(path).suffix == ".jsonl":
-            _check_jsonl(Path(path), source)
+        if Path(path).suffix in (".jsonl", ".json"):
+            _check_text(Path(path), source)
         raise DataError(f"{source}: not UTF-8 text ({e.reason}: byte 0x{e.object[e.start]:02x}); convert the file "
                         "to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
 
     columns = tokenized.select_columns(  # read once
         ["drop_reason", "cut", "length", *ROW_COLUMNS]).to_dict()
-    first: dict[str, int] = {}
+    first: dict[str, int] = {}  # reason -> the first row in the file dropped for it (rows come shuffled)
     for reason, row in zip(columns["drop_reason"], columns[SOURCE_ROW]):
         if reason:
-            first.setdefault(reason, row)
+            first[reason] = min(first.get(reason, row), row)
     counts = Counter(columns["drop_reason"])
     kept = counts.pop("", 0)
     where = _where(path, list(first.values()))

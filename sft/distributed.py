@@ -7,7 +7,6 @@ behave exactly as under torchrun; there is no separate single-process branch to 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from sft.config import UserError
+from sft.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -30,12 +29,6 @@ class DistEnv:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def process_group_backend(device_type: str, cpu_offload: bool) -> str:
@@ -65,11 +58,10 @@ def init_distributed(cpu_offload: bool = False, timeout_minutes: float | None = 
     stops the others after that long. Waiting for one rank's long work uses a separate gloo group
     with LONG_WAIT instead (decided_on_rank0(..., long_wait=True)).
     """
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    # Without torchrun: a world of one, on an in-process store (no port to pick, none to collide).
+    alone = "RANK" not in os.environ
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
     expected = os.environ.get("SFT_EXPECTED_WORLD_SIZE")  # set by slurm/train.slurm: nodes x GPUs
     if expected and int(expected) != world_size:
         raise RuntimeError(f"torchrun formed a world of {world_size} ranks, expected {expected} (nodes x GPUs): "
@@ -82,11 +74,31 @@ def init_distributed(cpu_offload: bool = False, timeout_minutes: float | None = 
     else:
         device = torch.device("cpu")
     timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _reach_launcher_store()
     dist.init_process_group(process_group_backend(device.type, cpu_offload), timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+                            device_id=device if device.type == "cuda" else None,
+                            **({"store": dist.HashStore(), "rank": 0, "world_size": 1} if alone else {}))
     global _long_wait_group
     _long_wait_group = dist.new_group(backend="gloo", timeout=LONG_WAIT)
     return DistEnv(rank, local_rank, world_size, device)
+
+
+# torchrun's store is up before it starts its workers: a worker that cannot reach it in this long
+# will not (its torchrun died in the worker's first moments), where the rendezvous itself would
+# retry for the whole collective timeout, twice.
+LAUNCHER_STORE_TIMEOUT = timedelta(seconds=20)
+
+
+def _reach_launcher_store() -> None:
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                      timeout=LAUNCHER_STORE_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:  # DistNetworkError and friends
+        raise UserError(f"cannot reach the store of the torchrun that started this worker at {address} within "
+                        f"{LAUNCHER_STORE_TIMEOUT.seconds} s ({type(e).__name__}): its torchrun is gone, or the "
+                        "network between the nodes is down; nothing was trained, relaunch the same command") from None
 
 
 def log0(*parts: object) -> None:

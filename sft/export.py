@@ -20,7 +20,8 @@ import yaml
 
 from sft import atomic
 from sft.checkpoint import CheckpointError, checkpoint_problem, content_problem
-from sft.config import DTYPES, ModelConfig, run_command
+from sft.config import DTYPES, ModelConfig
+from sft.errors import run_command
 from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
 from sft.model import build_meta_model, load_tokenizer
 from sft.moe import to_hub_tensors

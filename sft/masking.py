@@ -124,6 +124,10 @@ def validate_messages(messages: Any) -> None:
         for key in ("content", *REASONING_FIELDS):
             if m.get(key) is not None and not isinstance(m[key], str):
                 raise DropSample(f"{m['role']} {key} is {type(m[key]).__name__}, expected a string")
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise DropSample(f"{m['role']} tool_calls is {type(calls).__name__}, expected a list of calls "
+                             "({\"type\": \"function\", \"function\": {\"name\", \"arguments\"}})")
     if not any(m["role"] == "assistant" for m in messages):
         raise DropSample("no assistant turn")
 
@@ -170,6 +174,8 @@ def _render(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict]],
                                      **{**tokenizer.special_tokens_map, **template_kwargs})
     except jinja2.TemplateError as e:  # e.g. raise_exception('Conversation roles must alternate ...')
         raise DropSample(f"the chat template refused the conversation: {e}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of a shape the template cannot render
+        raise DropSample(f"the chat template failed on the conversation ({type(e).__name__}: {e})") from None
 
 
 Row = tuple[str, list[tuple[int, int]], tuple[int, ...]]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from sft import atomic
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0
 from sft.moe import RouterLoss, active_parameters, router_loss
@@ -171,7 +172,10 @@ class MetricsLogger:
     TensorBoard and Weights & Biases (optional; imported only when enabled).
 
     metrics.jsonl has one JSON object per optimizer step with the keys documented in the README
-    ("Run directory"), and one {"step", "eval_loss"} object per evaluation.
+    ("Run directory"), and one {"step", "eval_loss"} object per evaluation. A run resumed at step
+    N trains steps N+1, ... again: the entries the interrupted run wrote past N are dropped first
+    (atomically; TensorBoard's purge_step does the same to its events), so each step has one entry
+    however often a run resumes.
     """
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, run_name: str, config: dict, total_steps: int,
@@ -179,7 +183,11 @@ class MetricsLogger:
         self.enabled, self.cfg, self.total_steps = enabled, cfg, total_steps
         if not enabled:
             return
-        self.jsonl = open(run_dir / "metrics.jsonl", "a" if start_step else "w")
+        path = run_dir / "metrics.jsonl"
+        if start_step and path.exists():
+            atomic.write_file(path, "".join(line for line in path.read_text().splitlines(keepends=True)
+                                            if (step := _step_of(line)) is not None and step <= start_step))
+        self.jsonl = open(path, "a" if start_step else "w")
         self.bar = None
         if cfg.progress == "bar" or (cfg.progress == "auto" and sys.stdout.isatty()):
             from tqdm import tqdm
@@ -187,7 +195,7 @@ class MetricsLogger:
         self.tensorboard = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(run_dir / "tb"))
+            self.tensorboard = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         self.wandb = None
         if cfg.wandb_project:
             import wandb
@@ -236,9 +244,16 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics.jsonl line, None for a line a killed run left unfinished."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, float]]:
-    """A run's metrics.jsonl as (step -> training entry, step -> eval loss); where a resumed run
-    repeated steps, the last entry wins."""
+    """A run's metrics.jsonl as (step -> training entry, step -> eval loss)."""
     steps, evals = {}, {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         entry = json.loads(line)

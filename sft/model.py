@@ -15,21 +15,24 @@ just its own slice of each tensor:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from accelerate import init_empty_weights
 from huggingface_hub import snapshot_download
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import moe
-from sft.config import ModelConfig, UserError
+from sft.config import ModelConfig, is_local_path
+from sft.errors import UserError
 from sft.distributed import rank0_first
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -49,8 +52,7 @@ def clean_name(name: str) -> str:
 def _missing_local_dir(key: str, path: str) -> ModelError | None:
     """A clear error for a path that names a local directory that is not there (a hub id is
     'org/name'; anything else with a slash, or starting with . / ~, is a path)."""
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
-    if looks_local and not Path(path).expanduser().is_dir():
+    if is_local_path(path) and not Path(path).expanduser().is_dir():
         return ModelError(f"{key}={path!r}: no such directory; give an existing model directory or a hub id "
                           "(e.g. Qwen/Qwen2.5-7B-Instruct)")
     return None
@@ -86,10 +88,18 @@ def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json ({reason}); give a "
                          "local model directory, or a hub name this machine can reach") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                 attn_implementation=cfg.attn_implementation,
-                                                 trust_remote_code=cfg.trust_remote_code)
+    try:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation,
+                                                     trust_remote_code=cfg.trust_remote_code)
+    except (ValueError, ImportError) as e:  # transformers refuses the config, or the attention kernel here
+        reason = " ".join(str(e).split())
+        if "ttention" in reason:
+            raise ModelError(f"model.attn_implementation={cfg.attn_implementation!r}: {reason}; use sdpa (or "
+                             "flex_attention for packed rows)") from None
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: transformers cannot build a model from its "
+                         f"config.json ({reason})") from None
     model.tie_weights()  # from_config under init_empty_weights leaves tied embeddings as two tensors
     return model
 
@@ -117,26 +127,44 @@ class SafetensorsWeights:
         root = Path(directory)
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
+        self.source, self.root = directory, root
         index = root / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                self.weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise self._damaged(index.name, f"{type(e).__name__}: {e}") from None
         elif (root / "model.safetensors").is_file():
-            with safe_open(root / "model.safetensors", framework="pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
+            with self._open("model.safetensors") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
-        self.source, self.root, self.weight_map = directory, root, weight_map
         # MoE: fused expert parameters are per-expert tensors in the hub files (sft/moe.py)
         self.model_type = model.config.model_type
         self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+
+    def _damaged(self, file: str, reason: str) -> ModelError:
+        return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
+                          "it again (huggingface-cli download), or give a complete model directory")
+
+    @contextlib.contextmanager
+    def _open(self, file: str, device: str = "cpu") -> Iterator:
+        """safe_open of one of the checkpoint's files; a file that is not safetensors (truncated,
+        empty, overwritten) is one ModelError naming it."""
+        try:
+            handle = safe_open(self.root / file, framework="pt", device=device)
+        except (SafetensorError, OSError) as e:
+            raise self._damaged(file, " ".join(str(e).split())) from None
+        with handle as f:
+            yield f
 
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads."""
         shapes = {}
         for file in sorted(set(self.weight_map.values())):  # headers only
-            with safe_open(self.root / file, framework="pt") as f:
+            with self._open(file) as f:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
         quantized = moe.quantized_experts_problem(self.source, shapes)
         if quantized:
@@ -158,7 +186,7 @@ class SafetensorsWeights:
         name = name if name in self.weight_map else moe.hub_name(self.model_type, name)
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
-        with safe_open(self.root / self.weight_map[name], framework="pt", device="cpu") as f:
+        with self._open(self.weight_map[name]) as f:
             return f.get_slice(name)[index].to(device)
 
 

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.placement_types import Shard
 
-from sft.config import MoEConfig, UserError
+from sft.config import MoEConfig
+from sft.errors import UserError
 
 
 class MoEError(UserError):

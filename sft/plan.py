@@ -47,7 +47,8 @@ from pathlib import Path
 from torch import nn
 
 from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
-from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config, run_command
+from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config
+from sft.errors import run_command
 from sft.context_parallel import unsupported
 from sft.loss import LOGITS_PER_CHUNK
 from sft.model import ModelError, build_meta_model, decoder_blocks

@@ -9,7 +9,9 @@ state that only a run which has proven it can start may change.
 * Lock: rank 0 holds an advisory lock (`<output_dir>/.<run_name>.lock`, flock) for the run's
   life. A second launch of the same run (a double sbatch, a requeue racing a manual rerun) stops
   with the holder's host, PID and job id. The kernel drops the lock when the holder dies, so a
-  lock left by a killed run never blocks the next one.
+  lock left by a killed run never blocks the next one; a process that exits removes its lock file
+  (still holding the lock, so that no other launch can hold it meanwhile; one that locked the file
+  just before it was removed sees that its name is gone and locks a new one).
 * A failing start leaves no trace: the directory is created by `start()`, after the config,
   data, model and resume checkpoint were all validated.
 * `train.overwrite` on a finished run moves the old run's files into `<run>/overwritten/` at
@@ -26,6 +28,7 @@ state that only a run which has proven it can start may change.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import itertools
@@ -56,6 +59,10 @@ class RunDirectory:
         self._lock_fd: int | None = None
 
     @property
+    def lock_path(self) -> Path:
+        return self.path.parent / f".{self.path.name}.lock"
+
+    @property
     def finished(self) -> bool:
         return (self.path / FINISHED).exists()
 
@@ -65,10 +72,8 @@ class RunDirectory:
 
     def _lock_and_check(self) -> None:
         parent = self.path.parent
-        lock = parent / f".{self.path.name}.lock"
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             if isinstance(e, FileExistsError):  # mkdir says only that the name exists: stat says why
                 try:
@@ -77,28 +82,55 @@ class RunDirectory:
                     e = why
             raise ConfigError(f"train.output_dir={str(parent)!r}: cannot write there ({e.strerror}); "
                               "choose a writable train.output_dir") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise ConfigError(f"{self.path} is in use by another launch ({holder}); wait for it to end, or set "
-                              "another train.run_name") from None
-        except OSError as e:  # a filesystem without locks (e.g. Lustre mounted noflock)
-            if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
-                raise
-            log0(f"warning: {parent} does not support file locks ({e.strerror}): nothing stops a second launch of "
-                 "this run from writing into it at the same time")
+        fd = self._lock(self.lock_path)
         os.ftruncate(fd, 0)
         os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, "
                      f"Slurm job {os.environ.get('SLURM_JOB_ID', '-')}\n".encode())
         self._lock_fd = fd  # held until the process exits
+        atexit.register(self.release)
         if self.path.exists() and not os.access(self.path, os.W_OK | os.X_OK):
             raise ConfigError(f"{self.path} is not writable; fix its permissions or set another train.run_name")
         if self.finished and not self.cfg.train.overwrite and not self._continues_own_checkpoint():
             raise ConfigError(f"{self.path} holds a finished run; set train.overwrite=true (the old run is kept "
                               "until the new one finishes), another train.run_name, or "
                               "checkpoint.resume=<one of its checkpoints> to train it further")
+
+    def _lock(self, lock: Path) -> int:
+        """An open descriptor of `lock`, flock'ed by this process; ConfigError naming the holder."""
+        while True:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as e:
+                raise ConfigError(f"train.output_dir={str(lock.parent)!r}: cannot write there ({e.strerror}); "
+                                  "choose a writable train.output_dir") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 4096).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ConfigError(f"{self.path} is in use by another launch ({holder}); wait for it to end, or "
+                                  "set another train.run_name") from None
+            except OSError as e:  # a filesystem without locks (e.g. Lustre mounted noflock)
+                if e.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                    raise
+                log0(f"warning: {lock.parent} does not support file locks ({e.strerror}): nothing stops a second "
+                     "launch of this run from writing into it at the same time")
+                return fd
+            if _same_file(fd, lock):
+                return fd
+            os.close(fd)  # its holder removed it as it exited, after we opened it: lock the new one
+
+    def release(self) -> None:
+        """Rank 0, at exit: remove the lock file while still holding the lock, then release it."""
+        if self._lock_fd is None:
+            return
+        try:
+            if _same_file(self._lock_fd, self.lock_path):
+                self.lock_path.unlink()
+        except OSError:
+            pass  # the next launch reuses it
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def _continues_own_checkpoint(self) -> bool:
         resume = self.cfg.checkpoint.resume
@@ -158,3 +190,11 @@ class RunDirectory:
         atomic.write_file(self.path / FINISHED, "")
         for replaced in (OVERWRITTEN, SET_ASIDE):
             shutil.rmtree(self.path / replaced, ignore_errors=True)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sft.config import run_command
+from sft.errors import run_command
 from sft.masking import IGNORE_INDEX
 from sft.metrics import read_metrics
 
@@ -166,6 +166,15 @@ def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:
     """step -> (loss, grad norm) of a run's metrics.jsonl."""
     steps, _ = read_metrics(run_dir)
     return {step: (m["loss"], m["grad_norm"]) for step, m in steps.items()}
+
+
+def one_entry_per_step(run: Path) -> bool:
+    """metrics.jsonl holds each step's training entry once and each evaluation once, in step order,
+    however often the run was resumed."""
+    entries = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = [(e["step"], "eval_loss" in e) for e in entries]
+    trained = [step for step, is_eval in keys if not is_eval]
+    return len(keys) == len(set(keys)) and trained == sorted(trained)
 
 
 def eval_losses(run_dir: Path) -> list[float]:

@@ -6,14 +6,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import (REPO, demo_args, eval_losses, run_demo, run_torchrun, start_in_background,
+from helpers import (REPO, demo_args, eval_losses, one_entry_per_step, run_demo, run_torchrun, start_in_background,
                      train_losses as train_steps, wait_for_step, with_test_hooks)
-from sft.checkpoint import checkpoint_problem
+from sft.checkpoint import checkpoint_problem, content_problem
 from sft.preemption import LAUNCHER_GONE, REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -114,6 +115,15 @@ def test_a_corrupt_shard_of_the_right_size_falls_back_to_the_previous_checkpoint
     assert (run / "damaged" / "checkpoints" / "step-6" / shard.name).read_bytes() == garbage
 
 
+def test_a_damaged_digests_file_is_named(continuous, tmp_path):
+    step = shutil.copytree(continuous / "continuous" / "checkpoints" / "step-6", tmp_path / "step-6")
+    assert content_problem(step) is None
+    (step / "digests.json").write_text('{"__0_0.distcp": ')  # cut short
+    assert content_problem(step).startswith("unreadable digests.json (JSONDecodeError: ")
+    (step / "digests.json").write_text('["crc32:0"]')
+    assert content_problem(step) == "unreadable digests.json (not a mapping of file names to digests)"
+
+
 def test_a_checkpoint_missing_a_ranks_rng_state_is_damaged(continuous, tmp_path):
     step = shutil.copytree(continuous / "continuous" / "checkpoints" / "step-6", tmp_path / "step-6")
     assert checkpoint_problem(step) is None
@@ -141,27 +151,65 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data):
-    """kill -9 of torchrun's process group (a supervisor, Ctrl-\\) does not reach the workers (each
-    has a session of its own): they notice their launcher is gone, stop after the step with a
-    checkpoint and release the run; the same command then resumes bit for bit."""
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while any(_running(pid) for pid in pids):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+# The moments of a launch at which its torchrun is killed (kill -9 of its process group: a
+# supervisor, Ctrl-\): (test hooks that hold the workers there, the mark they leave when they are,
+# whether the workers stop with a checkpoint). Before training began they end at once (nothing was
+# trained); after, at the end of the step, with a checkpoint.
+LAUNCHER_KILLS = {
+    "before the rendezvous": ({"SFT_TEST_SLOW_RENDEZVOUS_S": "60"}, "rendezvous.rank1", False),
+    "while rank 0 tokenises, rank 1 waiting for it": ({"SFT_TEST_SLOW_TOKENIZE_S": "60"}, "tokenising.rank0", False),
+    "after the first step": ({"SFT_TEST_SLOW_STEP_S": "1"}, None, True),
+}
+
+
+@pytest.mark.parametrize("moment", list(LAUNCHER_KILLS))
+def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data, tmp_path, moment):
+    """Each worker has a session of its own, so killing torchrun's group does not reach them: they
+    notice their launcher is gone and stop within seconds at any moment of the launch, releasing the
+    run; the same command then trains on (or resumes) bit for bit as the uninterrupted run."""
+    hooks, mark, checkpointed = LAUNCHER_KILLS[moment]
     reference = train_steps(continuous / "continuous")
-    args = demo(demo_data, continuous, "orphaned", "train.max_steps=6", "checkpoint.every_steps=2",
+    args = demo(demo_data, tmp_path, "orphaned", "train.max_steps=6", "checkpoint.every_steps=2",
                 "train.micro_batch_size=4")
-    proc = start_in_background(args, nproc=2, env=with_test_hooks(SFT_TEST_SLOW_STEP_S="1"), new_session=True)
-    run = continuous / "orphaned"
-    wait_for_step(proc, run, 1)
+    proc = start_in_background(args, nproc=2, env=with_test_hooks(SFT_TEST_MARKS=str(tmp_path), **hooks),
+                               new_session=True)
+    run = tmp_path / "orphaned"
+    if mark:
+        deadline = time.time() + 120
+        while not (tmp_path / mark).exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+    else:
+        wait_for_step(proc, run, 1)
     workers = _workers(proc.pid)
     assert len(workers) == 2, workers
     os.killpg(proc.pid, signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=60)  # the workers hold its pipes: back once they have exited
-    assert not any(_running(pid) for pid in workers), workers
-    stopped = json.loads((run / "stopped").read_text())
-    assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3, (stopped, stdout[-2000:], stderr[-2000:])
-    rerun = run_demo(demo_data, continuous, "orphaned", *args[args.index("eval.every_steps=0"):], nproc=2)
-    assert f"(step {stopped['step']}, saved by 2 ranks)" in rerun.stdout
-    resumed = train_steps(run)
-    assert all(resumed[step] == reference[step] for step in range(stopped["step"] + 1, 7))
+    assert _gone_within(workers, 30), (moment, workers)
+    stdout, stderr = proc.communicate(timeout=60)  # the workers held its pipes
+    if checkpointed:
+        stopped = json.loads((run / "stopped").read_text())
+        assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3, (stopped, stdout[-2000:], stderr[-2000:])
+        resumed_from = stopped["step"]
+    else:
+        errors = [line for line in stderr.splitlines() if line.startswith("error")]
+        assert len(errors) == 1 and "is gone, before training began" in errors[0], stderr[-3000:]
+        assert "Traceback" not in stderr and not run.exists(), stderr[-3000:]
+        resumed_from = 0
+    assert not (tmp_path / ".orphaned.lock").exists() or not checkpointed  # a killed process leaves it; reused
+    rerun = run_demo(demo_data, tmp_path, "orphaned", *args[args.index("eval.every_steps=0"):], nproc=2)
+    if resumed_from:
+        assert f"(step {resumed_from}, saved by 2 ranks)" in rerun.stdout
+    assert train_steps(run) == {step: reference[step] for step in range(1, 7)}
+    assert one_entry_per_step(run)
 
 
 def test_sigusr1_to_torchrun_stops_with_a_checkpoint(tmp_path, demo_data):
@@ -200,6 +248,7 @@ def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how)
     assert step >= 2 and f"stopping at step {step} on {'SIGTERM' if how == 'SIGTERM' else 'stop-request'}" in stdout
     assert f"exit code {REQUEUE_EXIT_CODE}" in stdout
     assert json.loads((run / "stopped").read_text())["step"] == step  # what the Slurm script requeues on
+    assert not (run / "stop-request").exists()  # it has done its work
     assert proc.returncode != 0  # torchrun reports the stop as a failure, never as success
 
     # The requeued job (same command) continues where it stopped.

@@ -44,6 +44,11 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     ("data.path=missing.jsonl", "data.path='missing.jsonl': file not found"),
     ("data.chat_template_kwargs=true", "data.chat_template_kwargs=True: expected a mapping of names to values"),
     ("data.chat_template_kwargs.tools=[]", "data.chat_template_kwargs={'tools': []}: tools are set by the trainer"),
+    ("data.chat_template_kwargs={a: 1", "override 'data.chat_template_kwargs={a: 1': the value is not valid YAML"),
+    ("model.attn_implementation=sdap", "model.attn_implementation='sdap': not an attention implementation "
+                                       "transformers knows (one of eager, flash_attention_2,"),
+    ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2': needs the "
+                                                    "flash_attn package, which is not installed here"),
 ])
 def test_bad_values_name_key_and_file(tmp_path, override, message):
     path = write(tmp_path, base(tmp_path))
@@ -133,6 +138,10 @@ CLI_ERRORS = {
     "export": ("sft.export", ["no/such/step-5", "out"],
                "error: no/such/step-5 is not a usable checkpoint (no such directory): give a committed checkpoints/step-N"),
     "data": ("sft.data", ["--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
+    "chat": ("sft.chat", ["runs/no/such/export", "--prompt", "hi"],
+             "error: runs/no/such/export: not a model directory (no config.json there); give an export"),
+    "config, an override that is not YAML": ("sft.config", ["configs/demo.yaml", "data.chat_template_kwargs={a: 1"],
+                                             "the value is not valid YAML"),
 }
 
 

@@ -69,18 +69,25 @@ def test_tools_column_and_tool_calls(tmp_path, tok):
 
 
 def test_bad_rows_are_dropped_and_counted(tmp_path, tok, capsys):
-    rows = [{"messages": CONVERSATIONS[0]},
-            {"messages": [{"role": "user", "content": "no answer"}]},
+    no_answer = {"messages": [{"role": "user", "content": "no answer"}]}
+    rows = [{"messages": CONVERSATIONS[0]}, no_answer,
             {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]},
-            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok"}]}]
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "ok"}]},
+            # the chat template's tojson cannot render a string where it expects a list of calls
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "",
+                                                            "tool_calls": "get_weather(city='Paris')"}]},
+            no_answer, no_answer, no_answer]
     path = tmp_path / "bad.jsonl"
-    # A blank line (datasets skips it) and the shuffle must not shift the line numbers reported.
+    # A blank line (datasets skips it) and the shuffle must not shift the line numbers reported, and
+    # the first in the file is reported, not the first in the shuffled order.
     path.write_text(json.dumps(rows[0]) + "\n\n" + "".join(json.dumps(r) + "\n" for r in rows[1:]))
     train, _ = load(tok, path)
     assert len(train) == 2
     out = capsys.readouterr().out
-    assert f"dropped 1/4 train samples: no assistant turn (first: line 3 of {path})" in out
-    assert f"dropped 1/4 train samples: unknown role 'wizard' (known: system, user, assistant, tool) (first: line 4 of {path})" in out
+    assert f"dropped 4/8 train samples: no assistant turn (first: line 3 of {path})" in out
+    assert f"dropped 1/8 train samples: unknown role 'wizard' (known: system, user, assistant, tool) (first: line 4 of {path})" in out
+    assert "dropped 1/8 train samples: assistant tool_calls is str, expected a list of calls" in out
+    assert f"(first: line 6 of {path})" in out
     assert sorted(train["source_row"]) == [0, 3]
 
 
@@ -91,18 +98,21 @@ def test_every_sample_dropped_is_an_error(tmp_path, tok):
         load(tok, path)
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "file not found"),
-    ("", "the dataset is empty"),
-    ("\n  \n\n", "the dataset is empty \\(only blank lines\\)"),
-    ('{"messages": []}\n\n{"messages": [}\n', "line 3 is not valid JSON: Expecting value: line 1 column 15"),
-    ('{"messages": []}\n[1, 2]\n', "line 2 is a JSON list, expected one object per line"),
+@pytest.mark.parametrize("content, message, suffix", [
+    (None, "file not found", "jsonl"),
+    ("", "the dataset is empty", "jsonl"),
+    ("\n  \n\n", "the dataset is empty \\(only blank lines\\)", "jsonl"),
+    ('{"messages": []}\n\n{"messages": [}\n', "line 3 is not valid JSON: Expecting value: line 1 column 15", "jsonl"),
+    ('{"messages": []}\n[1, 2]\n', "line 2 is a JSON list, expected one object per line", "jsonl"),
     (b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',
-     "line 2 is not UTF-8 text \\(byte 0xe9 at column 47\\); convert the file to UTF-8"),
-    ('{"text": "hello"}\n', "no 'messages', 'conversations', 'prompt'\\+'completion' or 'input_ids'\\+'labels' column \\(found: text\\)"),
+     "line 2 is not UTF-8 text \\(byte 0xe9 at column 47\\); convert the file to UTF-8", "jsonl"),
+    # a JSON (not JSON lines) file: the same line, not datasets' DatasetGenerationError
+    (b'[{"messages": []},\n {"messages": [{"role": "user", "content": "caf\xe9"}]}]\n',
+     "line 2 is not UTF-8 text \\(byte 0xe9 at column 48\\); convert the file to UTF-8", "json"),
+    ('{"text": "hello"}\n', "no 'messages', 'conversations', 'prompt'\\+'completion' or 'input_ids'\\+'labels' column \\(found: text\\)", "jsonl"),
 ])
-def test_bad_files_give_one_clear_error(tmp_path, tok, content, message):
-    path = tmp_path / "f.jsonl"
+def test_bad_files_give_one_clear_error(tmp_path, tok, content, message, suffix):
+    path = tmp_path / f"f.{suffix}"
     if content is not None:
         path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError, match=message):

@@ -7,25 +7,19 @@ start at the step the resume point gives), and the test plays the training betwe
 committing checkpoint folders that say which line of training wrote them.
 """
 
-import os
-
 import pytest
 import torch.distributed as dist
 
 from helpers import REPO
 from sft.config import load_config
-from sft.distributed import _free_port, init_distributed
+from sft.distributed import init_distributed
 from sft.rundir import RunDirectory
 
 
 @pytest.fixture(scope="module")
 def env():
-    saved = {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    yield init_distributed()
+    yield init_distributed()  # a world of one in this process
     dist.destroy_process_group()
-    for key, value in saved.items():
-        os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
 def tree(root) -> dict[str, str]:
@@ -60,7 +54,7 @@ def launch(tmp_path, env, *overrides, start_step=0, damaged=(), trains=(), finis
         if finishes:
             run.finish()
     finally:
-        os.close(run._lock_fd)
+        run.release()  # as the process's exit would
     return run
 
 

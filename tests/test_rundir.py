@@ -15,8 +15,8 @@ import signal
 import pytest
 import torch
 
-from helpers import (REPO, demo_args, eval_losses, run_demo, run_torchrun, start_in_background, train_losses,
-                     wait_for_step, with_test_hooks)
+from helpers import (REPO, demo_args, eval_losses, one_entry_per_step, run_demo, run_torchrun, start_in_background,
+                     train_losses, wait_for_step, with_test_hooks)
 from sft.checkpoint import checkpoint_problem
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def finished(tmp_path_factory, demo_data):
     """A finished 2-step run with a checkpoint at every step and an export."""
     out = tmp_path_factory.mktemp("rundir")
     run_demo(demo_data, out, "done", "train.max_steps=2", "checkpoint.every_steps=1", "eval.every_steps=0",
-             "train.overwrite=false")
+             "train.overwrite=false", "logging.tensorboard=true")
     return out
 
 
@@ -102,10 +102,18 @@ def test_resume_skips_a_damaged_checkpoint_and_ignores_a_garbage_latest(finished
     (run / "finished").unlink()  # as if it had been interrupted after step 2
     (run / "checkpoints" / "step-2" / "train_state.json").write_text("")
     (run / "checkpoints" / "latest").write_bytes(b"\xff\xfe garbage")
-    proc = run_demo(demo_data, finished, "skip", "train.max_steps=3", "eval.every_steps=0")
+    proc = run_demo(demo_data, finished, "skip", "train.max_steps=3", "eval.every_steps=0", "logging.tensorboard=true")
     assert "skipping" in proc.stdout and "unreadable train_state.json" in proc.stdout
     assert f"resumed from {run / 'checkpoints' / 'step-1'} (step 1" in proc.stdout
     assert (run / "checkpoints" / "latest").read_text() == "step-3\n"
+    # Step 2, trained again, has one entry, the new one's; so has TensorBoard (its events past step 1 purged).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert one_entry_per_step(run) and sorted(train_losses(run)) == [1, 2, 3]
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [
+        (step, pytest.approx(loss)) for step, (loss, _) in sorted(train_losses(run).items())]
 
 
 def test_resume_takes_the_newest_complete_checkpoint_whatever_latest_says(finished, demo_data):
@@ -186,11 +194,21 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
         (tmp_path / name).write_text(text)
     (tmp_path / "latin1.jsonl").write_bytes("".join(good[:3]).encode() + '{"messages": [{"role": "user", "content": '
                                             '"caf\xe9"}, {"role": "assistant", "content": "ok"}]}\n'.encode("latin1"))
+    (tmp_path / "latin1.json").write_bytes(b'[{"messages": [{"role": "user", "content": "caf\xe9"}, '
+                                           b'{"role": "assistant", "content": "ok"}]}]\n')
     # The demo model's weights (4 blocks) under a config.json of 5 blocks.
     other = model_dir(tmp_path, tied=True, num_hidden_layers=5)
     weights = RandomWeights(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model"), init="random"), 0)
     write_safetensors(((n, weights.read(n, (), torch.device("cpu"))) for n, _ in weights.reference.named_parameters()),
                       other)
+    # The demo model's own weights, then damaged as a failed download or a full disk leaves them.
+    damaged = {}
+    for damage in ("truncated", "garbage", "empty"):
+        damaged[damage] = shutil.copytree(model_dir(tmp_path, tied=True), tmp_path / f"model_{damage}")
+        write_safetensors(((n, weights.read(n, (), torch.device("cpu"))) for n, _ in
+                           weights.reference.named_parameters()), damaged[damage])
+        shard = damaged[damage] / "model-00001-of-00001.safetensors"
+        shard.write_bytes({"truncated": shard.read_bytes()[:-100], "garbage": os.urandom(300), "empty": b""}[damage])
     data = lambda name: f"data.path={tmp_path / name}"  # noqa: E731
     return {
         "missing model directory": (["model.name_or_path=/no/such/model"],
@@ -210,6 +228,15 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
                                                        "messages: write {\"messages\": [...]}"),
         "integer content": ([data("int_content.jsonl")], "user content is int, expected a string"),
         "not UTF-8": ([data("latin1.jsonl")], "line 4 is not UTF-8 text (byte 0xe9 at column 47)"),
+        "a JSON file not in UTF-8": ([data("latin1.json")], "line 1 is not UTF-8 text (byte 0xe9 at column 48)"),
+        "an override that is not YAML": (["data.chat_template_kwargs={a: 1"], "the value is not valid YAML"),
+        "attention with a typo": (["model.attn_implementation=sdap"], "model.attn_implementation='sdap': not an "
+                                                                      "attention implementation transformers knows"),
+        "flash attention without its package": (["model.attn_implementation=flash_attention_2"],
+                                                "needs the flash_attn package, which is not installed here"),
+        **{f"{damage} safetensors": ([f"model.name_or_path={path}", "model.init=pretrained"],
+                                     "model-00001-of-00001.safetensors is damaged (")
+           for damage, path in damaged.items()},
     }
 
 
@@ -223,57 +250,84 @@ def test_bad_input_under_torchrun_is_one_line_from_rank_0(tmp_path, demo_data):
              for name, (overrides, _) in cases.items()}
     (tmp_path / "cases.json").write_text(json.dumps(argvs))
     (tmp_path / "out").mkdir()
-    from sft.distributed import _free_port
-
-    run_torchrun(["tests/errors_worker.py", str(tmp_path / "cases.json"), str(tmp_path / "out"), str(_free_port())],
-                 nproc=2)
+    run_torchrun(["tests/errors_worker.py", str(tmp_path / "cases.json"), str(tmp_path / "out")], nproc=2)
     for name, (_, message) in cases.items():
         said = {rank: (tmp_path / "out" / f"{name.replace(' ', '_')}.rank{rank}.txt").read_text() for rank in (0, 1)}
         errors = [line for text in said.values() for line in text.splitlines() if line.startswith("error")]
-        assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], (name, said)
+        # The error, and for a config its list of problems ("  - key=value: ...") below it.
+        error = said[0][said[0].find(errors[0]):] if errors else ""
+        assert len(errors) == 1 and errors[0].startswith("error: ") and message in error, (name, said)
         assert "Traceback" not in said[0] + said[1] and " row " not in said[0] + said[1], (name, said)
-    assert not any((tmp_path / name).exists() for name in argvs)  # a failed start leaves no trace
+    # A failed start leaves no trace: no run directory, no lock file.
+    assert not any((tmp_path / name).exists() or (tmp_path / f".{name}.lock").exists() for name in argvs)
 
 
-def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """In-process, world of one: the DCP write raises ENOSPC as a full disk would."""
+@pytest.fixture
+def checkpointer(tmp_path):
+    """In-process, a world of one: the demo model (uninitialised), its optimizer and scheduler, and
+    a Checkpointer with periodic asynchronous saves, as train.py makes them."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    from sft.checkpoint import Checkpointer, CheckpointError
+    from sft.checkpoint import Checkpointer
     from sft.config import load_config
-    from sft.distributed import _free_port, init_distributed
+    from sft.distributed import init_distributed
     from sft.model import build_meta_model, load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
-    # A world of one in this process (the variables are restored after the test).
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(key, value)
     cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null",
-                                                        f"train.output_dir={tmp_path}"])
+                                                        f"train.output_dir={tmp_path}", "checkpoint.every_steps=1"])
     env = init_distributed()
     try:
         model = build_meta_model(cfg.model).to_empty(device="cpu")
         optimizer = torch.optim.AdamW(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), env)
-        state = {"tokens_seen": 0, "global_batch": 1, "world_size": 1}
-        first = ckpt.save(1, model, optimizer, scheduler, state)
-        before = snapshot(first)
-
-        def full_disk(*args, **kwargs):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        monkeypatch.setattr(dcp, "save", full_disk)
-        with pytest.raises(CheckpointError) as err:
-            ckpt.save(2, model, optimizer, scheduler, state)
-        assert str(err.value).startswith(f"saving {ckpt.root / 'step-2'} failed (no space left on {ckpt.root}); "
-                                         f"the previous checkpoint {first} is intact")
-        assert snapshot(first) == before and not (ckpt.root / "step-2.tmp").exists()
-        assert not (ckpt.root / "step-2").exists() and (ckpt.root / "latest").read_text() == "step-1\n"
+        yield Checkpointer(cfg, load_tokenizer(cfg.model), env), (model, optimizer, scheduler)
     finally:
         dist.destroy_process_group()
+
+
+TRAIN_STATE = {"tokens_seen": 0, "global_batch": 1, "world_size": 1}
+
+
+def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoint(checkpointer, monkeypatch):
+    """The DCP write raises ENOSPC as a full disk would."""
+    import torch.distributed.checkpoint as dcp
+
+    from sft.checkpoint import CheckpointError
+
+    ckpt, training = checkpointer
+    first = ckpt.save(1, *training, TRAIN_STATE)
+    before = snapshot(first)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(dcp, "save", full_disk)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(2, *training, TRAIN_STATE)
+    assert str(err.value).startswith(f"saving {ckpt.root / 'step-2'} failed (no space left on {ckpt.root}); "
+                                     f"the previous checkpoint {first} is intact")
+    assert snapshot(first) == before and not (ckpt.root / "step-2.tmp").exists()
+    assert not (ckpt.root / "step-2").exists() and (ckpt.root / "latest").read_text() == "step-1\n"
+
+
+@pytest.mark.parametrize("blocking, advice", [
+    (False, "; save less often than the disk writes a checkpoint (checkpoint.every_steps)"),
+    (True, " to commit first"),  # a stop-save or the final save: no advice about the frequency
+])
+def test_a_save_that_waits_for_the_previous_write_says_why(checkpointer, monkeypatch, capsys, blocking, advice):
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    ckpt, training = checkpointer
+    save = dcp.save
+    monkeypatch.setattr(dcp, "save", lambda *args, **kwargs: (time.sleep(1.5), save(*args, **kwargs))[1])
+    ckpt.save(1, *training, TRAIN_STATE, blocking=False)  # written in the background
+    ckpt.save(2, *training, TRAIN_STATE, blocking=blocking)
+    ckpt.wait()
+    waited = [line for line in capsys.readouterr().out.splitlines() if "for the previous save's write" in line]
+    assert len(waited) == 1 and waited[0].endswith(advice), waited
 
 
 # (checkpoints already committed, checkpoint.every_steps, keep_last, total steps, resumed from step)
@@ -291,7 +345,7 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
     from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER, Checkpointer
     from sft.config import load_config
-    from sft.distributed import DistEnv
+    from sft.distributed import init_distributed
     from sft.model import build_meta_model, load_tokenizer
 
     committed, every, keep, total, resumed, more = ROOM_CASES[case]
@@ -303,16 +357,20 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     for step in committed:
         (cfg.checkpoints_dir / f"step-{step}").mkdir(parents=True)
     model = build_meta_model(cfg.model)
-    ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), DistEnv(0, 0, 1, torch.device("cpu")))
-    size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
-    resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
-    real = shutil.disk_usage(tmp_path)
-    for free, warned in ((more * size, False), (more * size - 1, True)):
-        monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(free=free))
-        ckpt.check_room(model, resume_from, total)
-        out = capsys.readouterr().out
-        assert (f"and this run's checkpoints need up to {more * size / 2**20:.1f} MiB more ({more} of " in out) == warned
-        assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned
+    env = init_distributed()  # a world of one in this process
+    try:
+        ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), env)
+        size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+        resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
+        real = shutil.disk_usage(tmp_path)
+        for free, warned in ((more * size, False), (more * size - 1, True)):
+            monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(free=free))
+            ckpt.check_room(model, resume_from, total)
+            out = capsys.readouterr().out
+            assert (f"and this run's checkpoints need up to {more * size / 2**20:.1f} MiB more ({more} of " in out) == warned
+            assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_data):

@@ -3,6 +3,9 @@
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
 SFT_TEST_SLOW_STEP_S=N        every optimizer step (AdamW) first sleeps N seconds
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
+SFT_TEST_SLOW_RENDEZVOUS_S=N  every torchrun worker sleeps N s before it joins the process group
+SFT_TEST_MARKS=DIR            the two above first write DIR/<what>.rank<r> (what: rendezvous, tokenising),
+                              so a test knows the workers are there
 SFT_TEST_FULL_DISK_RANK=R     rank R's checkpoint RNG file fails to save with ENOSPC (a full disk)
 SFT_TEST_SAVE_BUG_RANK=R      rank R's checkpoint RNG file fails to save with a KeyError (a bug)
 SFT_TEST_SHARDS_FAIL=R:HOW    rank R's DCP shard files fail to write: HOW is no-space (ENOSPC),
@@ -36,6 +39,11 @@ if os.environ.get("SFT_TEST_SLOW_STEP_S"):
 
     torch.optim.AdamW.step = _slow_step
 
+def _mark(what: str) -> None:
+    if os.environ.get("SFT_TEST_MARKS"):
+        open(os.path.join(os.environ["SFT_TEST_MARKS"], f"{what}.rank{os.environ['RANK']}"), "w").close()
+
+
 if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
     import datasets
 
@@ -43,10 +51,23 @@ if os.environ.get("SFT_TEST_SLOW_TOKENIZE_S") and os.environ.get("RANK") == "0":
 
     def _slow_map(self, *args, **kwargs):
         if str(kwargs.get("desc", "")).startswith("tokenising"):
+            _mark("tokenising")
             time.sleep(float(os.environ["SFT_TEST_SLOW_TOKENIZE_S"]))
         return _map(self, *args, **kwargs)
 
     datasets.Dataset.map = _slow_map
+
+if os.environ.get("SFT_TEST_SLOW_RENDEZVOUS_S") and "TORCHELASTIC_RUN_ID" in os.environ:  # workers, not torchrun
+    import torch.distributed as dist
+
+    _init_process_group = dist.init_process_group
+
+    def _slow_init_process_group(*args, **kwargs):
+        _mark("rendezvous")
+        time.sleep(float(os.environ["SFT_TEST_SLOW_RENDEZVOUS_S"]))
+        return _init_process_group(*args, **kwargs)
+
+    dist.init_process_group = _slow_init_process_group
 
 _RANK = os.environ.get("RANK", "-")
 if _RANK in (os.environ.get("SFT_TEST_FULL_DISK_RANK"), os.environ.get("SFT_TEST_SAVE_BUG_RANK")):
