@@ -14,7 +14,7 @@ from __future__ import annotations
 
 # First, before the seconds of importing torch: it notes the torchrun that started this worker,
 # whose death it watches for (sft/preemption.py).
-from sft.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker  # isort: skip
+from sft.training.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker# isort: skip
 
 import dataclasses
 import random
@@ -25,24 +25,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sft.checkpoint import Checkpointer
+from sft.checkpoint.manager import Checkpointer
 from sft.config import check_machine, parse_args
 from sft.errors import run_command
-from sft.context_parallel import ContextParallel
-from sft.data import TrainBatches, MicroBatches, load_sft_data
+from sft.parallel.context_parallel import ContextParallel
+from sft.data.batches import TrainBatches, MicroBatches
+from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
-from sft.evaluate import evaluate
+from sft.training.evaluate import evaluate
 from sft.export import export_hf
-from sft.float8 import precompute_float8_scales
-from sft.loss import attach_sft_loss, forward_backward
-from sft.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
-from sft.model import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
-from sft.moe import apply_moe
-from sft.optim import build_optimizer, build_scheduler, clip_grad_norm
-from sft.parallel import build_mesh, parallelize
+from sft.models.float8 import precompute_float8_scales
+from sft.training.loss import attach_sft_loss, forward_backward
+from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
+from sft.models.build import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.models.moe import apply_moe
+from sft.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from sft.parallel.fsdp import build_mesh
+from sft.parallel.parallelize import parallelize
 from sft.plan import GIB, apply_auto_plan, check_fits
 from sft.profiling import StepProfiler
-from sft.rundir import RunDirectory
+from sft.training.rundir import RunDirectory
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,7 @@ def report(name: str, run, grad_out: torch.Tensor, flops: float, iters: int, ref
 
 def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int) -> None:
     """One cp rank's attention (rank 0 of the group: chunks 0 and 2 cp - 1 of the row)."""
-    from sft.context_parallel import ContextParallel, attention_mask
+    from sft.parallel.context_parallel import ContextParallel, attention_mask
 
     gen = torch.Generator("cuda").manual_seed(0)
     local = s // cp

@@ -124,7 +124,7 @@ offload_run() {  # offload_run NAME OVERRIDES...: P-7B config + fsdp.cpu_offload
   )
   kill $sampler
   python3 scripts/bench_summary.py "runs/bench/$name/" --warmup 4
-  python3 -c "import sys; from pathlib import Path; from sft.metrics import read_metrics
+  python3 -c "import sys; from pathlib import Path; from sft.training.metrics import read_metrics
 print('host peak RSS per rank after loading (GiB):', read_metrics(Path(sys.argv[1]))[0][1]['host_peak_rss_gib_per_rank'])" \
     "runs/bench/$name"
   echo "node host memory in use: $before GiB before, $(sort -n "$LOGS/$name.host_used" | tail -1) GiB peak during the run"
@@ -351,7 +351,7 @@ RUNS
         # The largest micro-batch the planner lets fit this GPU (grad-acc 1), with the least recomputation.
         read -r MB RATIO < <(python3 -c "
 from sft.config import load_config
-from sft.model import build_meta_model
+from sft.models.build import build_meta_model
 from sft.plan import MICRO_BATCHES, RATIOS, Machine, Shapes, predict_gib
 cfg = load_config('configs/bench/p7b.yaml', ['model.name_or_path=configs/models/qwen2.5-14b', 'fsdp.cpu_offload=true'])
 s, m = Shapes.of(build_meta_model(cfg.model)), Machine.of($NGPU, $GPU_GIB, $HOST_GIB)
@@ -370,7 +370,7 @@ print(mb, -r)")
       python3 - "$LOGS/p7b-ckpt-async.log" runs/bench/p7b-ckpt-async <<'PY'
 import re, statistics, sys
 from pathlib import Path
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 log, run = Path(sys.argv[1]).read_text(), Path(sys.argv[2])
 steps, _ = read_metrics(run)
 waited = buffers = copied = 0.0
@@ -422,7 +422,7 @@ SH
       train twonode-fsdp configs/demo.yaml "${TWO[@]}" train.run_name=twonode-fsdp
       python3 - <<'PY'
 from pathlib import Path
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 a, _ = read_metrics(Path("runs/bench/twonode-hsdp")); b, _ = read_metrics(Path("runs/bench/twonode-fsdp"))
 worst = max(abs(a[s]["loss"] - b[s]["loss"]) / b[s]["loss"] for s in b)
 print(f"2 nodes x 2 GPUs HSDP vs 4 GPUs FSDP, {len(b)} steps: largest relative loss difference {worst:.2e}; "

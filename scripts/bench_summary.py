@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 
 
 def summarise(run_dir: Path, warmup: int) -> dict:

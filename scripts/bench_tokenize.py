@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer  # noqa: E402
 from sft.config import DataConfig  # noqa: E402
-from sft.data import load_sft_data  # noqa: E402
+from sft.data.prepare import load_sft_data# noqa: E402
 
 WORDS = ("the model data token batch step loss value result answer because first then finally "
          "Paris weather city number function return list string größe café naïve 東京 данные").split()

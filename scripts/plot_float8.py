@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 
 # The acceptance bound: float8's final eval loss within 2% of bf16's.
 TOLERANCE = 0.02

@@ -16,8 +16,8 @@ import torch
 
 from sft.config import ModelConfig
 from sft import atomic
-from sft.hf_io import write_safetensors
-from sft.model import RandomWeights
+from sft.models.hub import write_safetensors
+from sft.models.weights import RandomWeights
 
 
 def main() -> None:

@@ -19,12 +19,12 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from sft import atomic
-from sft.checkpoint import CheckpointError, checkpoint_problem, content_problem
+from sft.checkpoint.layout import CheckpointError, checkpoint_problem, content_problem
 from sft.config import DTYPES, ModelConfig
 from sft.errors import run_command
-from sft.hf_io import MAX_SHARD_BYTES, write_safetensors
-from sft.model import build_meta_model, load_tokenizer
-from sft.moe import to_hub_tensors
+from sft.models.hub import MAX_SHARD_BYTES, write_safetensors
+from sft.models.build import build_meta_model, load_tokenizer
+from sft.models.hub import to_hub_tensors
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

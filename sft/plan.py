@@ -46,14 +46,14 @@ from pathlib import Path
 
 from torch import nn
 
-from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER
+from sft.checkpoint.layout import CHECKPOINT_BYTES_PER_PARAMETER
 from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config
 from sft.errors import run_command
-from sft.context_parallel import unsupported
-from sft.loss import LOGITS_PER_CHUNK
-from sft.model import ModelError, build_meta_model, decoder_blocks
-from sft.moe import active_parameters, expert_shape
-from sft.parallel import ac_block_indices
+from sft.parallel.context_parallel import unsupported
+from sft.training.loss import LOGITS_PER_CHUNK
+from sft.models.build import ModelError, build_meta_model, decoder_blocks
+from sft.models.moe import active_parameters, expert_shape
+from sft.parallel.activation_checkpointing import ac_block_indices
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05

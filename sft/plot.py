@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 
 
 def plot(run_dir: Path) -> Path:

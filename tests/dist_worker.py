@@ -21,16 +21,17 @@ from torch.distributed.tensor import DTensor
 from safetensors import safe_open
 
 from helpers import synthetic_global_batch
-from sft.collate import collate, collate_packed
+from sft.data.collate import collate, collate_packed
 from sft.config import ACConfig, FSDPConfig, MoEConfig, ModelConfig, OptimConfig
-from sft.context_parallel import ContextParallel
+from sft.parallel.context_parallel import ContextParallel
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.loss import attach_sft_loss, forward_backward, loss_inputs
-from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_weights, materialize,
-                       real_buffers)
-from sft.moe import apply_moe
-from sft.optim import build_optimizer
-from sft.parallel import build_mesh, parallelize
+from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
+from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
+from sft.models.weights import initial_weights, load_weights
+from sft.models.moe import apply_moe
+from sft.training.optim import build_optimizer
+from sft.parallel.fsdp import build_mesh
+from sft.parallel.parallelize import parallelize
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

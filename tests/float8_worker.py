@@ -17,16 +17,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from helpers import synthetic_global_batch
-from sft.checkpoint import Checkpointer
-from sft.collate import collate
+from sft.checkpoint.manager import Checkpointer
+from sft.data.collate import collate
 from sft.config import ACConfig, Config, FSDPConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.float8 import fuse_weight_casts, precompute_float8_scales
-from sft.loss import attach_sft_loss, forward_backward, loss_inputs
-from sft.model import (build_meta_model, clean_name, decoder_blocks, initial_weights, load_tokenizer, load_weights,
-                       materialize, real_buffers)
-from sft.optim import build_optimizer, build_scheduler
-from sft.parallel import build_mesh, parallelize
+from sft.models.float8 import fuse_weight_casts, precompute_float8_scales
+from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
+from sft.models.build import build_meta_model, clean_name, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.models.weights import initial_weights, load_weights
+from sft.training.optim import build_optimizer, build_scheduler
+from sft.parallel.fsdp import build_mesh
+from sft.parallel.parallelize import parallelize
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

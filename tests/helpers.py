@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft.errors import run_command
-from sft.masking import IGNORE_INDEX
-from sft.metrics import read_metrics
+from sft.data.masking import IGNORE_INDEX
+from sft.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "configs" / "demo" / "model"

@@ -14,8 +14,8 @@ import torch
 
 from helpers import (REPO, demo_args, eval_losses, one_entry_per_step, run_demo, run_torchrun, start_in_background,
                      train_losses as train_steps, wait_for_step, with_test_hooks)
-from sft.checkpoint import checkpoint_problem, content_problem
-from sft.preemption import LAUNCHER_GONE, REQUEUE_EXIT_CODE
+from sft.checkpoint.layout import checkpoint_problem, content_problem
+from sft.training.preemption import LAUNCHER_GONE, REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -282,10 +282,10 @@ def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data
     exports again after the original model directory is gone, to the same bytes."""
     from transformers import AutoModelForCausalLM
 
-    from sft.collate import collate
+    from sft.data.collate import collate
     from sft.config import ModelConfig, load_config
-    from sft.data import load_sft_data
-    from sft.model import load_tokenizer
+    from sft.data.prepare import load_sft_data
+    from sft.models.build import load_tokenizer
 
     model_dir = shutil.copytree(REPO / "configs" / "demo" / "model", tmp_path / "model")
     args = demo(demo_data, tmp_path, "exported", "train.max_steps=5", "checkpoint.export_hf=true",

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from sft.checkpoint import HostStaging
+from sft.checkpoint.staging import HostStaging
 
 
 @pytest.fixture(scope="module")

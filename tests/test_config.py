@@ -122,7 +122,7 @@ def test_shipped_configs_validate(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("key, value", [("name_or_path", "./no/such/model"), ("tokenizer", "/no/such/tokenizer")])
 def test_a_missing_model_directory_names_its_key(key, value):
     from sft.config import ModelConfig
-    from sft.model import ModelError, load_tokenizer
+    from sft.models.build import ModelError, load_tokenizer
 
     cfg = ModelConfig(**{"name_or_path": str(REPO / "configs" / "demo" / "model"), key: value})
     with pytest.raises(ModelError) as err:
@@ -137,7 +137,7 @@ CLI_ERRORS = {
     "plan": ("sft.plan", ["--config", "configs/demo.yaml", "--gpus", "2", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
     "export": ("sft.export", ["no/such/step-5", "out"],
                "error: no/such/step-5 is not a usable checkpoint (no such directory): give a committed checkpoints/step-N"),
-    "data": ("sft.data", ["--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
+    "data": ("sft.data.__main__", ["--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
     "chat": ("sft.chat", ["runs/no/such/export", "--prompt", "hi"],
              "error: runs/no/such/export: not a model directory (no config.json there); give an export"),
     "config, an override that is not YAML": ("sft.config", ["configs/demo.yaml", "data.chat_template_kwargs={a: 1"],

@@ -15,9 +15,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from helpers import DEMO_MODEL
 from sft.config import ConfigError, ModelConfig
-from sft.context_parallel import ContextParallel, apply_context_parallel, attention_mask, unsupported, visible_keys
-from sft.model import build_meta_model
-from sft.metrics import read_metrics
+from sft.parallel.context_parallel import ContextParallel, apply_context_parallel, attention_mask, unsupported, visible_keys
+from sft.models.build import build_meta_model
+from sft.training.metrics import read_metrics
 
 
 def test_rows_are_split_head_tail_with_targets_shifted_on_the_whole_row():

@@ -8,7 +8,9 @@ from transformers import AutoTokenizer
 
 from helpers import DEMO_MODEL
 from sft.config import DataConfig
-from sft.data import DataError, StepSampler, _load_rows, _tokenize, load_sft_data
+from sft.data.sources import DataError, load_rows
+from sft.data.batches import StepSampler
+from sft.data.prepare import _tokenize, load_sft_data
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "2 + 3 = 5."}],
@@ -148,6 +150,6 @@ def test_a_first_batch_of_only_dropped_rows(tmp_path, tok):
     unanswered = json.dumps({"messages": [{"role": "user", "content": "no answer"}]}) + "\n"
     path.write_text(unanswered * 1000 + "".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     cfg = DataConfig(path=str(path), cache_dir=str(tmp_path / "cache"))
-    rows = _load_rows(cfg.path, None, "train", cfg.cache_dir, "data.path")  # unshuffled: the drops come first
+    rows = load_rows(cfg.path, None, "train", cfg.cache_dir, "data.path")  # unshuffled: the drops come first
     kept, report = _tokenize(rows, tok, cfg, cfg.path, "data.path", "train")
     assert sorted(kept["source_row"]) == [1000, 1001] and report.drops["no assistant turn"][0] == 1000

@@ -6,8 +6,8 @@ from transformers import AutoTokenizer
 
 from helpers import DEMO_MODEL, REPO, run_cli
 from real_tokenizers import QWEN3_STYLE_TEMPLATE, real_tokenizer
-from sft.data import main
-from sft.masking import tokenize_conversation
+from sft.data.__main__ import main
+from sft.data.masking import tokenize_conversation
 
 CONFIG = str(REPO / "configs" / "demo.yaml")
 

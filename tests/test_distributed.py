@@ -9,9 +9,9 @@ import torch
 
 from helpers import DEMO_MODEL, OpCounter, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
 from sft.config import ACConfig, ModelConfig
-from sft.metrics import read_metrics
-from sft.model import build_meta_model, decoder_blocks
-from sft.parallel import apply_ac
+from sft.training.metrics import read_metrics
+from sft.models.build import build_meta_model, decoder_blocks
+from sft.parallel.activation_checkpointing import apply_ac
 from sft.plan import Shapes, ops_bytes_per_token
 
 

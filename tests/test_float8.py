@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from helpers import REPO, model_dir, run_torchrun
 from sft.config import ConfigError, ModelConfig, check_machine, load_config
-from sft.model import build_meta_model, decoder_blocks
+from sft.models.build import build_meta_model, decoder_blocks
 
 
 def write_config(tmp_path: Path) -> Path:
@@ -49,9 +49,10 @@ import sys
 sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, import fails
 from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
-from sft.float8 import precompute_float8_scales
-from sft.model import build_meta_model, decoder_blocks
-from sft.parallel import build_mesh, parallelize
+from sft.models.float8 import precompute_float8_scales
+from sft.models.build import build_meta_model, decoder_blocks
+from sft.parallel.fsdp import build_mesh
+from sft.parallel.parallelize import parallelize
 cfg = load_config(sys.argv[1], ["compile.enabled=false"])
 init_distributed()
 model = build_meta_model(cfg.model)
@@ -100,7 +101,7 @@ def test_conversion_picks_block_linears_aligned_to_16_and_keeps_state_dict(tmp_p
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from sft.float8 import apply_float8
+    from sft.models.float8 import apply_float8
 
     cfg = ModelConfig(name_or_path=str(model_dir(tmp_path, tied=False, intermediate_size=200)))
     plain, model = build_meta_model(cfg), build_meta_model(cfg)
@@ -126,7 +127,7 @@ def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
     pytest.importorskip("torchao")
     from torchao.float8 import ScalingGranularity
 
-    from sft.float8 import float8_linear_config
+    from sft.models.float8 import float8_linear_config
 
     tensorwise, rowwise = float8_linear_config("tensorwise"), float8_linear_config("rowwise")
     assert tensorwise.enable_fsdp_float8_all_gather
@@ -147,7 +148,7 @@ def test_fused_weight_cast_gives_torchao_bytes(device, monkeypatch):
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
-    from sft.float8 import fuse_weight_casts
+    from sft.models.float8 import fuse_weight_casts
 
     torch.manual_seed(0)
     shard = torch.randn(96, 80, device=device) * 0.05

@@ -14,8 +14,8 @@ import pytest
 from helpers import supervised_spans
 from real_tokenizers import QWEN25_TEMPLATE, QWEN3_STYLE_TEMPLATE, real_tokenizer
 from sft.config import DataConfig
-from sft.data import prepare_sft_data
-from sft.masking import DropSample, normalise_reasoning, reasoning_field, tokenize_conversation
+from sft.data.prepare import prepare_sft_data
+from sft.data.masking import DropSample, normalise_reasoning, reasoning_field, tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}

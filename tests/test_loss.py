@@ -4,16 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import sft.loss
-from sft.collate import collate
-from sft.loss import LinearCrossEntropy, _chunked_cross_entropy
-from sft.masking import IGNORE_INDEX
+import sft.training.loss
+from sft.data.collate import collate
+from sft.training.loss import LinearCrossEntropy, _chunked_cross_entropy
+from sft.data.masking import IGNORE_INDEX
 
 
 @pytest.mark.parametrize("rows_per_chunk", [1, 7, 1000])
 def test_linear_cross_entropy_matches_autograd(monkeypatch, rows_per_chunk):
     vocab, hidden, rows = 97, 16, 23
-    monkeypatch.setattr(sft.loss, "LOGITS_PER_CHUNK", rows_per_chunk * vocab)
+    monkeypatch.setattr(sft.training.loss, "LOGITS_PER_CHUNK", rows_per_chunk * vocab)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(rows, hidden, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64, requires_grad=True)

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from helpers import DEMO_MODEL
-from sft.masking import IGNORE_INDEX, DropSample, has_generation_tags, tokenize_conversation
+from sft.data.masking import IGNORE_INDEX, DropSample, has_generation_tags, tokenize_conversation
 
 # A Llama-3-style header template *without* {% generation %}, which injects its own system
 # prompt (like Llama-3.1's "Cutting Knowledge Date"); masks come from prefix rendering.

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import DEMO_MODEL, REPO, supervised_spans
 from real_tokenizers import END_OF_TURN, real_tokenizer
-from sft.masking import tokenize_conversation
+from sft.data.masking import tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]

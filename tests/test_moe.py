@@ -14,10 +14,11 @@ from safetensors import safe_open
 
 from helpers import DEMO_MOE_MODEL, REPO, OpCounter, gpt_oss_model_dir, moe_model_dir, run_torchrun
 from sft.config import ACConfig, MoEConfig, ModelConfig
-from sft.metrics import read_metrics
-from sft.model import SafetensorsWeights, build_meta_model, decoder_blocks
-from sft.moe import _per_expert_linear, apply_moe, expert_outputs, grouped_linear
-from sft.parallel import apply_ac
+from sft.training.metrics import read_metrics
+from sft.models.weights import SafetensorsWeights
+from sft.models.build import build_meta_model, decoder_blocks
+from sft.models.moe import _per_expert_linear, apply_moe, expert_outputs, grouped_linear
+from sft.parallel.activation_checkpointing import apply_ac
 
 
 def _hf_model(path=DEMO_MOE_MODEL, seed: int = 0, **overrides):
@@ -93,7 +94,7 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
     """A checkpoint saved by transformers (one tensor per expert; Mixtral's under block_sparse_moe) is
     read into the fused parameters, any slice of experts and rows (what a rank's shard asks for),
     with the shapes checked first; export's renaming gives back the names transformers wrote."""
-    from sft.moe import to_hub_tensors
+    from sft.models.hub import to_hub_tensors
 
     directory = moe_model_dir(tmp_path, **overrides)
     model = _hf_model(directory)
@@ -209,7 +210,7 @@ def test_gpt_oss_experts_equal_hf_eager(tmp_path):
 def test_mxfp4_experts_stop_with_the_fix(tmp_path):
     from safetensors.torch import save_file
 
-    from sft.model import ModelError
+    from sft.models.build import ModelError
 
     directory = gpt_oss_model_dir(tmp_path)
     meta = build_meta_model(ModelConfig(name_or_path=str(directory), attn_implementation="eager"))
@@ -223,7 +224,7 @@ def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
     """Qwen2-MoE's shared expert is not in our block: refused before anything is sharded or loaded."""
     from transformers import Qwen2MoeConfig
 
-    from sft.moe import MoEError
+    from sft.models.moe import MoEError
 
     Qwen2MoeConfig(vocab_size=899, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -236,7 +237,7 @@ def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
 def test_real_tokens_mark_everything_but_padding():
     """The load-balancing loss's token mask: each sample's tokens, padded or packed, whatever their ids
     (a pad id that is also a real token, e.g. EOS, stays real)."""
-    from sft.collate import collate, collate_packed
+    from sft.data.collate import collate, collate_packed
 
     samples = [{"input_ids": [5, 0, 0], "labels": [-100, 0, 0]}, {"input_ids": [7] * 5, "labels": [7] * 5}]
     padded = collate(samples, pad_token_id=0, max_seq_len=16, pad_to_multiple_of=8)

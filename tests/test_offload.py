@@ -6,7 +6,7 @@ import torch
 
 from sft.config import OptimConfig
 from sft.distributed import process_group_backend
-from sft.optim import build_optimizer
+from sft.training.optim import build_optimizer
 
 
 @pytest.mark.parametrize("device_type, cpu_offload, backend", [

@@ -7,8 +7,8 @@ import torch
 
 from helpers import DEMO_MODEL
 from sft.config import ModelConfig, OptimConfig
-from sft.model import build_meta_model
-from sft.optim import build_optimizer, build_scheduler
+from sft.models.build import build_meta_model
+from sft.training.optim import build_optimizer, build_scheduler
 
 
 @pytest.fixture(scope="module")

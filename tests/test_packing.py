@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from helpers import DEMO_MODEL, synthetic_global_batch
-from sft.collate import collate, collate_packed
+from sft.data.collate import collate, collate_packed
 from sft.config import ModelConfig
-from sft.data import pack_best_fit
-from sft.loss import attach_sft_loss, loss_inputs
-from sft.model import build_meta_model, initial_weights, load_weights, materialize, real_buffers
+from sft.data.batches import pack_best_fit
+from sft.training.loss import attach_sft_loss, loss_inputs
+from sft.models.build import build_meta_model, materialize, real_buffers
+from sft.models.weights import initial_weights, load_weights
 
 
 @pytest.fixture(scope="module")

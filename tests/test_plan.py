@@ -6,7 +6,7 @@ import pytest
 
 from helpers import REPO, run_cli
 from sft.config import ConfigError, ModelConfig
-from sft.model import build_meta_model
+from sft.models.build import build_meta_model
 from sft.plan import main as plan_main
 from sft.plan import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank,
                       ops_bytes_per_token, peak_bytes, suggest)
@@ -108,7 +108,7 @@ OPS_BYTES_7B = {
 
 
 def test_every_ac_mode_has_a_policy_and_a_cost(qwen7b):
-    from sft.parallel import OPS_KEEP_EVERY
+    from sft.parallel.activation_checkpointing import OPS_KEEP_EVERY
     from sft.plan import MODES, recompute_fraction
 
     assert MODES == ("blocks", "ops", "ops_half", "attention")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import REPO
 from sft.config import load_config
 from sft.distributed import init_distributed
-from sft.rundir import RunDirectory
+from sft.training.rundir import RunDirectory
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 from helpers import (REPO, demo_args, eval_losses, one_entry_per_step, run_demo, run_torchrun, start_in_background,
                      train_losses, wait_for_step, with_test_hooks)
-from sft.checkpoint import checkpoint_problem
+from sft.checkpoint.layout import checkpoint_problem
 
 pytestmark = pytest.mark.slow
 
@@ -178,8 +178,8 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
     """case -> (train.py overrides, what its one error line says)."""
     from helpers import model_dir
     from sft.config import ModelConfig
-    from sft.hf_io import write_safetensors
-    from sft.model import RandomWeights
+    from sft.models.hub import write_safetensors
+    from sft.models.weights import RandomWeights
 
     good = (demo_data / "train.jsonl").read_text().splitlines(keepends=True)
     files = {
@@ -268,10 +268,10 @@ def checkpointer(tmp_path):
     a Checkpointer with periodic asynchronous saves, as train.py makes them."""
     import torch.distributed as dist
 
-    from sft.checkpoint import Checkpointer
+    from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed
-    from sft.model import build_meta_model, load_tokenizer
+    from sft.models.build import build_meta_model, load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
@@ -294,7 +294,7 @@ def test_a_full_disk_during_a_save_is_one_error_and_keeps_the_previous_checkpoin
     """The DCP write raises ENOSPC as a full disk would."""
     import torch.distributed.checkpoint as dcp
 
-    from sft.checkpoint import CheckpointError
+    from sft.checkpoint.layout import CheckpointError
 
     ckpt, training = checkpointer
     first = ckpt.save(1, *training, TRAIN_STATE)
@@ -343,10 +343,11 @@ ROOM_CASES = {
 @pytest.mark.parametrize("case", list(ROOM_CASES))
 def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(tmp_path, monkeypatch, capsys, case):
     """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
-    from sft.checkpoint import CHECKPOINT_BYTES_PER_PARAMETER, Checkpointer
+    from sft.checkpoint.layout import CHECKPOINT_BYTES_PER_PARAMETER
+    from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed
-    from sft.model import build_meta_model, load_tokenizer
+    from sft.models.build import build_meta_model, load_tokenizer
 
     committed, every, keep, total, resumed, more = ROOM_CASES[case]
     data = tmp_path / "d.jsonl"

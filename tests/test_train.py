@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import REPO, eval_losses, run_cli, run_demo
-from sft.metrics import read_metrics
+from sft.training.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")

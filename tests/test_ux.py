@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import REPO, run_demo
-from sft.metrics import ALLOCATOR_KEYS, START_KEYS, STEP_KEYS, AllocatorStats, format_step, read_metrics
+from sft.training.metrics import ALLOCATOR_KEYS, START_KEYS, STEP_KEYS, AllocatorStats, format_step, read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sft.masking import IGNORE_INDEX
+from sft.data.masking import IGNORE_INDEX
 
 
 def padded_length(longest: int, pad_to_multiple_of: int, max_seq_len: int, pad_to_max: bool) -> int:

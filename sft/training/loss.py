@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
-from sft.context_parallel import ContextParallel, attention_mask
+from sft.parallel.context_parallel import ContextParallel, attention_mask
 from sft.distributed import all_reduce_sum
-from sft.masking import IGNORE_INDEX
-from sft.model import ModelError
-from sft.moe import router_loss
+from sft.data.masking import IGNORE_INDEX
+from sft.models.build import ModelError
+from sft.models.moe import router_loss
 
 # Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
 LOGITS_PER_CHUNK = 2**28

@@ -41,8 +41,8 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from sft.config import ConfigError
 from sft.distributed import DistEnv, log0
-from sft.masking import IGNORE_INDEX
-from sft.moe import expert_shape
+from sft.data.masking import IGNORE_INDEX
+from sft.models.moe import expert_shape
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd

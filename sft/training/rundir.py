@@ -38,10 +38,10 @@ import socket
 from pathlib import Path
 
 from sft import atomic
-from sft.checkpoint import committed_checkpoints, step_of
+from sft.checkpoint.layout import committed_checkpoints, step_of
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
-from sft.preemption import STOPPED_MARKER
+from sft.training.preemption import STOPPED_MARKER
 
 FINISHED = "finished"
 OVERWRITTEN = "overwritten"

@@ -6,11 +6,11 @@ import math
 import torch
 from torch import nn
 
-from sft.context_parallel import ContextParallel
-from sft.data import MicroBatches
+from sft.parallel.context_parallel import ContextParallel
+from sft.data.batches import MicroBatches
 from sft.distributed import DistEnv, all_reduce_sum
-from sft.loss import loss_inputs
-from sft.masking import IGNORE_INDEX
+from sft.training.loss import loss_inputs
+from sft.data.masking import IGNORE_INDEX
 
 
 @torch.no_grad()

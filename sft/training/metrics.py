@@ -17,7 +17,7 @@ import torch
 from sft import atomic
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0
-from sft.moe import RouterLoss, active_parameters, router_loss
+from sft.models.moe import RouterLoss, active_parameters, router_loss
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
 # text is in torch.cuda.get_device_name() (so the specific "H100 PCIe" comes before "H100").

@@ -42,7 +42,6 @@ micro-batch's counts before the first backward: a second forward, not done.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -320,87 +319,3 @@ class RouterLoss:
                 "expert_load_cv": (load.std(dim=1, unbiased=False) / mean).tolist(),
                 "expert_load_max_over_mean": (load.max(dim=1).values / mean).tolist(),
                 "dead_experts": (load == 0).sum(dim=1).tolist()}
-
-
-# ---- the hub layout: per-expert tensors, as transformers 5 saves these models --------------------
-
-def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
-    """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
-    whose hub files hold one tensor per expert: (prefix rename, gate, up, down names)."""
-    return {"qwen3_moe": ("", "gate_proj", "up_proj", "down_proj"),
-            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(model_type)  # gpt-oss: fused, as loaded
-
-
-def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
-    """Hub names of expert `expert`'s tensors behind fused parameter `name` (gate_up_proj: gate, up)."""
-    rename, gate, up, down = layout
-    prefix = name.rpartition(".experts.")[0]
-    if rename:
-        prefix = prefix.replace(".mlp", f".{rename}")
-    base = f"{prefix}.experts.{expert}"
-    return (f"{base}.{gate}.weight", f"{base}.{up}.weight") if name.endswith("gate_up_proj") else (f"{base}.{down}.weight",)
-
-
-def is_fused_expert(name: str) -> bool:
-    return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
-
-
-def hub_name(model_type: str, name: str) -> str:
-    """The hub name of a non-expert parameter (Mixtral's router lives under block_sparse_moe)."""
-    layout = hub_layout(model_type)
-    if layout and layout[0] and ".mlp.gate." in name:
-        return name.replace(".mlp.gate.", f".{layout[0]}.gate.")
-    return name
-
-
-def hub_shapes(model_type: str, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The hub tensors that hold parameter `name` (of `shape`), with their shapes."""
-    layout = hub_layout(model_type)
-    if layout is None or not is_fused_expert(name):
-        return {hub_name(model_type, name): tuple(shape)}
-    experts, rows, cols = shape
-    out = {}
-    for e in range(experts):
-        names = _expert_names(layout, name, e)
-        out.update({hub: (rows // len(names), cols) for hub in names})
-    return out
-
-
-def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
-    """Slice `index` of fused expert parameter `name` (full `shape`) assembled from the hub's
-    per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`)."""
-    layout = hub_layout(model_type)
-    experts, rows, cols = index
-    parts = []
-    for e in range(experts.start, experts.stop):
-        names = _expert_names(layout, name, e)
-        per = shape[1] // len(names)  # gate_up_proj: rows [0, I) are the gate's, [I, 2I) the up projection's
-        pieces = [read(hub, (slice(max(rows.start, i * per) - i * per, min(rows.stop, (i + 1) * per) - i * per), cols))
-                  for i, hub in enumerate(names) if max(rows.start, i * per) < min(rows.stop, (i + 1) * per)]
-        parts.append(torch.cat(pieces))
-    return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
-
-
-def quantized_experts_problem(source: str, names: Iterable[str]) -> str | None:
-    """One line for hub files whose experts are MXFP4 (gpt-oss as published: *_blocks/*_scales),
-    which train from bf16: how to dequantise them once."""
-    if not any(name.endswith((".experts.gate_up_proj_blocks", ".experts.down_proj_blocks")) for name in names):
-        return None
-    return (f"model.name_or_path={source!r} holds MXFP4-quantised experts (gpt-oss as published); training needs "
-            "them in bf16: dequantise once with transformers (python -c \"from transformers import "
-            "AutoModelForCausalLM, Mxfp4Config; AutoModelForCausalLM.from_pretrained('SOURCE', dtype='bfloat16', "
-            "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained('OUT')\") and set model.name_or_path "
-            "to OUT")
-
-
-def to_hub_tensors(model_type: str, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs as the hub stores them: fused experts split per expert."""
-    layout = hub_layout(model_type)
-    for name, tensor in named:
-        if layout is None or not is_fused_expert(name):
-            yield hub_name(model_type, name), tensor
-            continue
-        for e in range(tensor.shape[0]):
-            names = _expert_names(layout, name, e)
-            for hub, part in zip(names, tensor[e].chunk(len(names))):
-                yield hub, part.contiguous()

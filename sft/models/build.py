@@ -1,0 +1,144 @@
+"""Memory-safe model construction: the tokenizer, the model built on the meta device, its
+decoder blocks, and storage for this rank's shards once they are sharded.
+
+No rank ever holds a full copy of the weights. The model is built on the meta device in float32
+(so the sharded master weights are float32 from the start, and no whole-model cast is needed);
+buffers such as rotary `inv_freq` stay real and float32 (`parameters_on_meta`). After
+`fully_shard`, `materialize` gives each rank storage for its own shards only, which
+sft/models/weights.py fills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from sft.config import ModelConfig, is_local_path
+from sft.errors import UserError
+
+# What activation checkpointing inserts into parameter names (blocks are compiled in place,
+# which adds nothing).
+_AC_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+class ModelError(UserError):
+    """The model or tokenizer cannot be used as configured; the message names the fix."""
+
+
+def clean_name(name: str) -> str:
+    """Parameter/buffer name as in the Hugging Face checkpoint (wrapper prefixes removed)."""
+    return name.replace(_AC_WRAPPER_PREFIX, "")
+
+
+def _missing_local_dir(key: str, path: str) -> ModelError | None:
+    """A clear error for a path that names a local directory that is not there (a hub id is
+    'org/name'; anything else with a slash, or starting with . / ~, is a path)."""
+    if is_local_path(path) and not Path(path).expanduser().is_dir():
+        return ModelError(f"{key}={path!r}: no such directory; give an existing model directory or a hub id "
+                          "(e.g. Qwen/Qwen2.5-7B-Instruct)")
+    return None
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    key, source = ("model.tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model.name_or_path", cfg.name_or_path)
+    missing = _missing_local_dir(key, source)
+    if missing:
+        raise missing
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise ModelError(f"{key}={source!r}: could not load a tokenizer: {e}") from None
+    if not tokenizer.chat_template:
+        raise ModelError(f"{key}={source!r} has no chat template; use an instruct model's "
+                         "tokenizer or add chat_template to its tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        # Pads are never attended to by real tokens nor trained, so any id will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The model with parameters on the meta device (float32) and real float32 buffers."""
+    missing = _missing_local_dir("model.name_or_path", cfg.name_or_path)
+    if missing:
+        raise missing
+    try:
+        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json ({reason}); give a "
+                         "local model directory, or a hub name this machine can reach") from None
+    config.use_cache = False  # no KV cache while training (and packing relies on it being off)
+    try:
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=cfg.attn_implementation,
+                                                     trust_remote_code=cfg.trust_remote_code)
+    except (ValueError, ImportError) as e:  # transformers refuses the config, or the attention kernel here
+        reason = " ".join(str(e).split())
+        if "ttention" in reason:
+            raise ModelError(f"model.attn_implementation={cfg.attn_implementation!r}: {reason}; use sdpa (or "
+                             "flex_attention for packed rows)") from None
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: transformers cannot build a model from its "
+                         f"config.json ({reason})") from None
+    model.tie_weights()  # from_config under init_empty_weights leaves tied embeddings as two tensors
+    return model
+
+
+def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
+    """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    # Through the MRO, so blocks are still found once FSDP has swapped in its FSDP<Block> subclass.
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    if not blocks:
+        raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks "
+                         f"(_no_split_modules={sorted(names)}); this architecture is not supported")
+    return blocks
+
+
+def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the (real, non-meta) buffers, to restore after `to_empty` overwrote them."""
+    return {clean_name(n): b.detach().clone() for n, b in model.named_buffers()}
+
+
+
+def materialize(model: nn.Module, buffers: dict[str, torch.Tensor], device: torch.device,
+                offload: bool = False) -> None:
+    """Allocate storage for this rank's shards on `device` (values undefined until load_weights or
+    a checkpoint fills them) and restore the buffers."""
+    # With CPU offload, FSDP keeps the shards in host memory.
+    model.to_empty(device="cpu" if offload else device)
+    # to_empty gives every parameter new storage, which unties tied embeddings on an unsharded
+    # model (FSDP2 keeps one shared parameter); re-tie before loading so one tensor is filled.
+    model.tie_weights()
+    for module_name, module in model.named_modules():
+        for name in list(module._buffers):
+            if module._buffers[name] is not None:  # buffers are not sharded; they live on the device
+                module._buffers[name] = buffers[clean_name(f"{module_name}.{name}".lstrip("."))].to(device)
+    assert not any(p.is_meta for p in model.parameters()), "a parameter is still on the meta device"
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Inside, every parameter a module registers moves to the meta device (no storage, no init
+    work), while buffers are made as usual: real, so non-persistent ones such as rotary `inv_freq`,
+    which no checkpoint holds, keep their values (pitfall: garbage after to_empty -> NaN). What
+    accelerate.init_empty_weights does, without importing accelerate (which imports FSDP: the
+    planner runs on login nodes)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register

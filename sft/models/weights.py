@@ -1,0 +1,150 @@
+"""Filling this rank's shards: each rank reads only its own slice of each tensor, so no rank ever
+holds a full copy of the weights.
+
+* pretrained: straight from the safetensors files (`safe_open(...).get_slice`), so each rank reads
+  1/world of the checkpoint and no collective is needed; MoE experts from the hub's one tensor per
+  expert (sft/models/hub.py);
+* random: each parameter-holding module is initialised in full on the device by the
+  architecture's own `_init_weights`, seeded by its name, one module at a time; the rank keeps its
+  slice. The values are independent of the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import snapshot_download
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from sft.config import ModelConfig
+from sft.distributed import rank0_first
+from sft.models import hub
+from sft.models.build import ModelError, build_meta_model, clean_name
+
+class SafetensorsWeights:
+    """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
+
+    def __init__(self, directory: str, model: nn.Module):
+        root = Path(directory)
+        if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
+            root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
+        self.source, self.root = directory, root
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                self.weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise self._damaged(index.name, f"{type(e).__name__}: {e}") from None
+        elif (root / "model.safetensors").is_file():
+            with self._open("model.safetensors") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
+                             "download the weights (huggingface-cli download) or set model.init: random")
+        # MoE: fused expert parameters are per-expert tensors in the hub files (sft/hub.py)
+        self.model_type = model.config.model_type
+        self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+
+    def _damaged(self, file: str, reason: str) -> ModelError:
+        return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
+                          "it again (huggingface-cli download), or give a complete model directory")
+
+    @contextlib.contextmanager
+    def _open(self, file: str, device: str = "cpu") -> Iterator:
+        """safe_open of one of the checkpoint's files; a file that is not safetensors (truncated,
+        empty, overwritten) is one ModelError naming it."""
+        try:
+            handle = safe_open(self.root / file, framework="pt", device=device)
+        except (SafetensorError, OSError) as e:
+            raise self._damaged(file, " ".join(str(e).split())) from None
+        with handle as f:
+            yield f
+
+    def check(self) -> None:
+        """One clear error if the files lack a parameter of the model or hold it in another shape
+        (weights of another architecture or size than their config.json), before any rank reads."""
+        shapes = {}
+        for file in sorted(set(self.weight_map.values())):  # headers only
+            with self._open(file) as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        quantized = hub.quantized_experts_problem(self.source, shapes)
+        if quantized:
+            raise ModelError(quantized)
+        expected = {}
+        for name, shape in self.shapes.items():
+            expected.update({name: shape} if name in shapes else hub.hub_shapes(self.model_type, name, shape))
+        wrong = [f"{name}: {shape} in the model of config.json, {shapes.get(name, 'absent')} in the files"
+                 for name, shape in expected.items() if shapes.get(name) != shape]
+        if wrong:
+            raise ModelError(f"model.name_or_path={self.source!r}: its weights do not match its config.json "
+                             f"({len(wrong)} tensors differ, "
+                             f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
+
+    def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        if name not in self.weight_map and hub.is_fused_expert(name):
+            return hub.read_fused_slice(lambda hub, i: self.read(hub, i, device), self.model_type, name,
+                                        self.shapes[name], index)
+        name = name if name in self.weight_map else hub.hub_name(self.model_type, name)
+        # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
+        # touched, so host memory holds at most one slice beyond the rank's own shards.
+        with self._open(self.weight_map[name]) as f:
+            return f.get_slice(name)[index].to(device)
+
+
+class RandomWeights:
+    """The architecture's own random init, one module at a time, seeded by module name."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        self.reference = build_meta_model(cfg)
+        self.seed = seed
+        self._module_name: str | None = None
+
+    def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        module_name, _, param_name = name.rpartition(".")
+        module = self.reference.get_submodule(module_name)
+        if module_name != self._module_name:
+            if self._module_name is not None:  # free the previous module's full tensors
+                self.reference.get_submodule(self._module_name).to_empty(device="meta", recurse=False)
+            module.to_empty(device=device, recurse=False)
+            torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
+            self.reference._init_weights(module)
+            self._module_name = module_name
+        return getattr(module, param_name).detach()[index]
+
+
+def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, device: torch.device) -> None:
+    """Fill every (sharded) parameter of `model` with its slice; float32 master copies."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                # The public chunk description DCP itself uses: where this rank's shard sits.
+                chunk = param.__create_chunk_list__()[0]
+                shape, offset, local = chunk.sizes, chunk.offsets, param.to_local()
+            else:
+                shape, offset, local = param.shape, (0,) * param.dim(), param
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            # read on the compute device; copy_ casts to float32 and moves to offloaded shards' host memory
+            local.copy_(weights.read(clean_name(name), index, device))
+
+
+
+def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> SafetensorsWeights | RandomWeights:
+    """Collective: where `model`'s initial weights come from. Rank 0 opens and checks the files
+    first, so missing or mismatched weights are one error, said once."""
+    if cfg.init != "pretrained":
+        return RandomWeights(cfg, seed)
+
+    def opened() -> SafetensorsWeights:
+        weights = SafetensorsWeights(cfg.name_or_path, model)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            weights.check()
+        return weights
+    return rank0_first(opened)

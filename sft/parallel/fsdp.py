@@ -1,0 +1,90 @@
+"""FSDP2: each decoder block its own unit, then the root; gradients summed over ranks (the loss is
+already divided by the global token count), from the compute stream's memory pool."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from sft.config import DTYPES, ConfigError, FSDPConfig
+from sft.distributed import log0
+from sft.models.moe import expert_placement, router_loss
+
+
+# torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single; 2.11 has only the former.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class GradientsInComputePool:
+    """FSDP2's reduce-scatter (a custom comm for `set_custom_reduce_scatter`) whose output, the
+    buffer the sharded gradients are views of, comes from the compute stream's memory pool.
+
+    Why: FSDP2 allocates that output on its reduce-scatter stream, and the caching allocator keeps
+    each stream's freed memory for that stream. After each step the gradients (4 bytes per
+    parameter per shard: 14 GiB for 7B on 2 GPUs) are freed into the reduce-scatter stream's pool,
+    where the next forward's activations cannot use them, nor can the next gradients use the
+    activations' memory: near the memory limit a step then made the allocator release its cache
+    and synchronise twice (issue #24: 12-16 retries per 8 steps, 2-6% slower). In the compute pool
+    the two take turns in the same memory. `record_stream` keeps the block from being reused
+    before the reduce-scatter stream's work on it is done.
+
+    The compute stream is the default stream, where train.py runs forward and backward; FSDP2 asks
+    for the reduce-scatter's input there and for its output on its own stream. Only for plain FSDP:
+    under HSDP another stream (the all-reduce) also works on the output. Not for the gradients of
+    fsdp.reduce_dtype=bfloat16 either: FSDP2 casts the reduced bf16 buffer to float32 on its own
+    stream, outside this comm (measured: the retries come back)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if stream is None or stream == torch.cuda.default_stream(device):  # the reduce-scatter's input
+            return torch.empty(*size, dtype=dtype, device=device)
+        with torch.cuda.stream(torch.cuda.default_stream(device)):
+            output = torch.empty(*size, dtype=dtype, device=device)
+        output.record_stream(stream)
+        return output
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op, async_op: bool = False):
+        return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: FSDPConfig) -> None:
+    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head).
+
+    Tied input/output embeddings are one parameter and both live in the root unit. The gradient
+    divide factor is 1 on every unit: the loss is already divided by the global count of
+    supervised tokens (sft/loss.py), so FSDP must sum, not average, over ranks.
+    """
+    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
+                                                             reduce_dtype=DTYPES[cfg.reduce_dtype]),
+                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
+    if router_loss(model):  # MoE: expert weights sharded over experts, or rows
+        options["shard_placement_fn"] = expert_placement(mesh.shape[-1])
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again first thing in backward: keep them.
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
+    # None lets FSDP keep the root unsharded between forward and backward (an explicit True
+    # would free and re-gather the embeddings and lm_head every step).
+    fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
+    reduce_scatter = GradientsInComputePool() if cfg.replicate_degree == 1 else None  # stateless: one for all units
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM instead of NCCL's PREMUL_SUM(1): the same result, and gloo supports it.
+            module.set_force_sum_reduction_for_comms(True)
+            if reduce_scatter is not None:
+                module.set_custom_reduce_scatter(reduce_scatter)
+    log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
+         f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
+
+
+def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> DeviceMesh:
+    """1-D mesh for FSDP, or (replicate, shard) for HSDP."""
+    if world_size % replicate_degree:
+        raise ConfigError(f"fsdp.replicate_degree={replicate_degree} does not divide the {world_size} ranks")
+    if replicate_degree == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
+                            mesh_dim_names=("replicate", "shard"))
