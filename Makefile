@@ -16,7 +16,7 @@ export OMP_NUM_THREADS ?= 1
 # machine reuses it; each test session compiles into a copy of it (tests/compile_cache.py).
 export TORCHINDUCTOR_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sft/inductor
 
-.PHONY: install demo test test-fast demo-data
+.PHONY: install demo demo-lora test test-fast demo-data
 
 $(VENV)/bin/python:
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -40,8 +40,18 @@ demo: install demo-data
 	-$(PYTHON) -m sft.plot runs/demo
 	$(PYTHON) -m sft.chat runs/demo/export --prompt "Spell the word 'rocket'."
 
+# LoRA on the same data: adapters on a frozen base (random weights, written once), ~1 minute.
+runs/demo_lora_base/config.json: | install
+	$(PYTHON) scripts/save_random_checkpoint.py configs/demo/model runs/demo_lora_base --dtype float32 --device cpu
+
+demo-lora: install demo-data runs/demo_lora_base/config.json
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo_lora.yaml
+	$(PYTHON) -m sft.chat runs/demo_lora/export --prompt "Spell the word 'rocket'."
+
+# Test files run on TEST_WORKERS processes (pytest-xdist), each file's tests on one of them, in order.
+TEST_WORKERS ?= 2
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The unit tier (nothing launches torchrun or a Python), about half a minute: for the edit-test loop.
 test-fast: install

@@ -1,20 +1,21 @@
-"""Full-parameter supervised fine-tuning of a Hugging Face causal LM with FSDP2.
+"""Supervised fine-tuning of a Hugging Face causal LM with FSDP2.
 
     python train.py --config configs/demo.yaml                    # one process (CPU or one GPU)
     torchrun --nproc_per_node 8 train.py --config configs/qwen7b.yaml optim.lr=2e-5
     sbatch slurm/train.slurm configs/qwen72b.yaml                 # many nodes
 
-The recipe, top to bottom: config -> distributed init -> run directory (locked) and resume point ->
-data -> model on the meta device -> float8 -> activation checkpointing -> per-block compile ->
-FSDP2 -> materialise -> optimizer -> restore weights -> training loop with held-out eval -> the one
-shutdown path (final or stop save, export). The machinery lives in sft/, one concern a module.
+The recipe, top to bottom: config -> distributed init and the device mesh -> run directory (locked)
+and resume point -> data -> model on the meta device (MoE blocks ours) -> parallelize (context
+parallelism, float8, activation checkpointing, per-block compile, FSDP2) -> materialise ->
+optimizer -> restore weights -> training loop with held-out eval -> the one shutdown path (final or
+stop save, export). The machinery lives in sft/, one concern a module (README: Architecture).
 """
 
 from __future__ import annotations
 
 # First, before the seconds of importing torch: it notes the torchrun that started this worker,
-# whose death it watches for (sft/preemption.py).
-from sft.training.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker# isort: skip
+# whose death it watches for (sft/training/preemption.py).
+from sft.training.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker  # isort: skip
 
 import dataclasses
 import random
@@ -26,24 +27,24 @@ import torch
 import torch.distributed as dist
 
 from sft.checkpoint.manager import Checkpointer
-from sft.config import check_machine, parse_args
-from sft.errors import run_command
-from sft.parallel.context_parallel import ContextParallel
-from sft.data.batches import TrainBatches, MicroBatches
+from sft.config import DTYPES, check_machine, parse_args
+from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
-from sft.training.evaluate import evaluate
+from sft.errors import run_command
 from sft.export import export_hf
+from sft.models.build import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.models.float8 import precompute_float8_scales
+from sft.models.lora import apply_lora
+from sft.models.moe import apply_moe
+from sft.parallel.mesh import ParallelDims
+from sft.parallel.parallelize import parallelize
+from sft.plan import apply_auto_plan, check_fits, gpu_memory_gib
+from sft.profiling import StepProfiler
+from sft.training.evaluate import evaluate
 from sft.training.loss import attach_sft_loss, forward_backward
 from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
-from sft.models.build import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
-from sft.models.moe import apply_moe
 from sft.training.optim import build_optimizer, build_scheduler, clip_grad_norm
-from sft.parallel.fsdp import build_mesh
-from sft.parallel.parallelize import parallelize
-from sft.plan import GIB, apply_auto_plan, check_fits
-from sft.profiling import StepProfiler
 from sft.training.rundir import RunDirectory
 
 
@@ -51,19 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
     # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step, and the
-    # death of the launcher ends it at once until training starts (sft/preemption.py).
+    # death of the launcher ends it at once until training starts (sft/training/preemption.py).
     stop = StopRequest(cfg.run_dir / STOP_REQUEST, started_at=time.time() - seconds_since_process_start())
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-
-    gpu_mem_gib = cfg.plan.gpu_mem_gib or (torch.cuda.get_device_properties(env.device).total_memory / GIB
-                                           if env.device.type == "cuda" else None)
+    gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))
-    cp = ContextParallel.build(cfg.cp.degree, env)  # the data-parallel ranks are the cp groups
+    # One named mesh for every axis: FSDP, context parallelism and the data-parallel ranks.
+    dims = ParallelDims(env.world_size, cfg.fsdp.replicate_degree, cfg.cp.degree, env.rank).build(env.device.type)
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)
@@ -75,40 +75,38 @@ def main(argv: list[str] | None = None) -> int:
 
     # Data before the model: bad data fails fast, before the expensive part.
     train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
+    global_batch = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     train_batches = TrainBatches(train_data, tokenizer.pad_token_id, cfg.data, cfg.train.micro_batch_size,
-                                 cfg.train.grad_accum_steps, cp.dp_rank, cp.dp_size, cfg.train.seed)
+                                 cfg.train.grad_accum_steps, global_batch, dims.dp_rank, cfg.train.seed)
     eval_batches = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
     total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
     log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
 
-    # Model: built on meta, wrapped in the fixed order float8 -> AC -> compile -> FSDP, then
+    # Model: built on meta, parallelized in the fixed order (sft/parallel/parallelize.py), then
     # materialised shard by shard, so no rank ever holds the full weights.
     model = rank0_first(lambda: build_meta_model(cfg.model))
-    apply_moe(model, cfg.moe)  # MoE models: our routing, experts and load-balancing loss (sft/moe.py)
-    if gpu_mem_gib:  # before anything is allocated: would this run fit?
-        warning = check_fits(model, cfg, env.world_size, gpu_mem_gib)
-        if warning:
-            log0(warning)
+    moe = apply_moe(model, cfg.moe)  # MoE models: our routing, experts and load-balancing loss; None if dense
+    # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.
+    if applied := apply_lora(model, decoder_blocks(model), cfg.lora, DTYPES[cfg.fsdp.param_dtype]):
+        log0(applied)
+    if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
+        log0(warning)  # before anything is allocated: this run may not fit
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
-    mesh = build_mesh(env.device.type, env.world_size, cfg.fsdp.replicate_degree)
-    parallelize(model, decoder_blocks(model), mesh, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, cp)
+    parallelize(model, decoder_blocks(model), dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.
     t0 = time.perf_counter()
-    state, loaded = ckpt.restore(resume_from, model, optimizer, scheduler)
+    state, loaded = ckpt.restore(resume_from, model, optimizer, scheduler, global_batch)
     attach_sft_loss(model)
     model.train()
     rss = host_peak_rss_per_rank(env)
     log0(f"{loaded} in {time.perf_counter() - t0:.1f} s; {type(model).__name__}, "
          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
-    if state.get("global_batch", train_batches.sampler.global_batch) != train_batches.sampler.global_batch:
-        log0(f"warning: global batch {train_batches.sampler.global_batch} != {state['global_batch']} of the "
-             "checkpoint; the data order from here differs from the original run's")
 
     start_step = state["step"]
     run.start(start_step, ckpt.skipped)  # everything loaded: only now does this run change its directory
@@ -117,28 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     startup_s = seconds_since_process_start()
     log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
     metrics = StepMetrics(model, env, total_steps, state["tokens_seen"],
-                          first_step_extras={"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss},
-                          cp_degree=cp.degree)
+                          {"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss}, dims, moe)
     profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
                             report=logger.message)
 
     def run_eval(step: int) -> float | None:
         if eval_batches is None:
             return None
-        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env, cp)
+        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env, dims)
         logger.log({"step": step, "eval_loss": loss})
         return loss
 
     def save(step: int, blocking: bool = True) -> Path | None:
-        if not cfg.checkpoint.enabled:
-            return None
-        t0 = time.perf_counter()
-        path = ckpt.save(step, model, optimizer, scheduler, {
-            "tokens_seen": metrics.tokens_seen, "global_batch": train_batches.sampler.global_batch,
-            "world_size": env.world_size, "first_eval_loss": first_eval}, blocking)
-        logger.message(f"saved {path} in {time.perf_counter() - t0:.1f} s"
-                       + ("" if blocking or not cfg.checkpoint.async_save else " (training blocked; writing on)"))
-        return path
+        return ckpt.save(step, model, optimizer, scheduler, {
+            "tokens_seen": metrics.tokens_seen, "global_batch": global_batch, "world_size": env.world_size,
+            "first_eval_loss": first_eval}, blocking)
 
     # A resumed run keeps the eval loss of the run's start (no extra full eval per resume).
     first_eval = state["first_eval_loss"] if "first_eval_loss" in state else run_eval(start_step)
@@ -148,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         profiler.step_begins(step)
         micro_batches = train_batches.step(step)
         ce_sum, supervised = forward_backward(model, [b for b, _ in micro_batches], env.device,
-                                              cfg.fsdp.sync_grads_each_microbatch, cp)
+                                              cfg.fsdp.sync_grads_each_microbatch, dims, moe)
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
@@ -193,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.checkpoint.export_hf:
             t0 = time.perf_counter()
             export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
-            log0(f"exported a Hugging Face model to {cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
+            log0(f"exported {'the LoRA adapter' if cfg.lora.enabled else 'a Hugging Face model'} to "
+                 f"{cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
         run.finish()
     return exit_code
 

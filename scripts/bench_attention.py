@@ -10,7 +10,7 @@ variant is checked against a float32 reference (the memory-efficient kernel: no 
 works at 64k) before it is timed. Several --seq values are timed one after the other. Each line
 also shows the peak memory the forward + backward allocated beyond q, k, v and grad_out.
 
---cp N instead times what one rank of a context-parallel group runs (sft/context_parallel.py): its
+--cp N instead times what one rank of a context-parallel group runs (sft/parallel/context_parallel.py): its
 head-tail share of the row's queries (seq / N) against the whole row's keys, with the whole-row
 causal mask, compiled flex attention.
 """
@@ -68,7 +68,8 @@ def report(name: str, run, grad_out: torch.Tensor, flops: float, iters: int, ref
 
 def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int) -> None:
     """One cp rank's attention (rank 0 of the group: chunks 0 and 2 cp - 1 of the row)."""
-    from sft.parallel.context_parallel import ContextParallel, attention_mask
+    from sft.parallel.context_parallel import attention_mask, shard_rows
+    from sft.parallel.mesh import ParallelDims
 
     gen = torch.Generator("cuda").manual_seed(0)
     local = s // cp
@@ -78,7 +79,7 @@ def bench_cp_shape(b: int, s: int, h: int, kv: int, d: int, cp: int, iters: int)
     grad_out = torch.randn(b, h, local, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     rows = {"input_ids": torch.zeros(b, s, dtype=torch.long), "position_ids": torch.arange(s).expand(b, s),
             "targets": torch.zeros(b, s, dtype=torch.long)}
-    _, layout = ContextParallel(degree=cp).shard_rows(rows)
+    _, layout = shard_rows(rows, ParallelDims(cp, cp=cp))
     mask = attention_mask(**{k_: t.cuda() for k_, t in layout.items()})
     compiled_flex = torch.compile(flex_attention)
     flops = 3.5 * 2 * 2 * b * h * s * s / 2 * d / cp  # the rank's share of the row's causal attention

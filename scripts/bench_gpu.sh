@@ -46,6 +46,12 @@
 #             tokens per GPU, real routing; ac 0 and ac 1 with the planner's prediction each, then the peer
 #             (scripts/trl_moe_bench.py: TRL + transformers 5, bf16 weights) on the same shapes, full AC and
 #             none (PEER_AC="full none"), in the same call. ONLY=regex picks our runs. Needs the TRL wheels in .whl/
+#   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
+#             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
+#             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
+#             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs
+#   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
+#             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -452,6 +458,25 @@ print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [r
         if grep -q RESULT "$LOGS/trl-moe30b-ac-$ac.log"; then grep RESULT "$LOGS/trl-moe30b-ac-$ac.log" | tee -a runs/bench/moe30b.md
         else grep -iE "error|out of memory" "$LOGS/trl-moe30b-ac-$ac.log" | tail -3; fi
       done ;;
+    lora)
+      p7b_data
+      LORA="lora.rank=16 lora.alpha=32"
+      ac_runs lora <<RUNS
+lora-p7b-ac1    configs/bench/p7b.yaml $LORA ac.ratio=1
+lora-p7b-auto   configs/bench/p7b.yaml $LORA plan.auto=true
+qlora-p7b-ac1   configs/bench/p7b.yaml $LORA lora.base=nf4 ac.ratio=1
+qlora-p7b-auto  configs/bench/p7b.yaml $LORA lora.base=nf4 plan.auto=true
+RUNS
+      if [ -n "${PEER_DIR:-}" ]; then  # the peer's LoRA rows, same workload, same GPUs, same call
+        OUT=$LOGS/peer NGPU=$NGPU VARIANTS=${PEER_VARIANTS:-liger_lora noac_liger_lora liger_qlora} \
+          bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/lora.md
+      fi ;;
+    qlora72b)
+      p7b_data
+      ac_runs qlora72b <<RUNS
+qlora72b-ac1 configs/qwen72b_qlora.yaml model.name_or_path=configs/models/qwen2.5-72b model.init=random model.tokenizer=configs/demo/model data.path=data/bench/p7b.parquet data.eval_fraction=0 data.pad_to=max_seq_len train.output_dir=runs/bench train.grad_accum_steps=1 train.overwrite=true checkpoint.enabled=false checkpoint.export_hf=false eval.every_steps=0 logging.every_steps=1
+RUNS
+      ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -34,7 +34,7 @@ def summarise(run_dir: Path, warmup: int) -> dict:
            "final loss": steps[-1]["loss"] if steps else float("nan")}
     if steady and "mfu" in steady[0]:
         out["MFU"] = statistics.median(r["mfu"] for r in steady)
-    if steady and "alloc_retries" in steady[0]:  # GPUs: the caching allocator (sft/metrics.py:AllocatorStats)
+    if steady and "alloc_retries" in steady[0]:  # GPUs: the caching allocator (sft/training/metrics.py:AllocatorStats)
         out["reserved GiB"] = max(r["peak_reserved_gib"] for r in steps)
         out["retries (steady)"] = sum(r["alloc_retries"] for r in steady)
     return out

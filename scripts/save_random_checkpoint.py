@@ -1,9 +1,11 @@
-"""Save a randomly initialised model as a Hugging Face checkpoint (bf16 safetensors), one module at a
-time, so large shapes (7B, 32B) can be written without holding the model in memory.
+"""Save a randomly initialised model as a Hugging Face checkpoint (bf16 or float32 safetensors, with
+its tokenizer when the directory has one), one module at a time, so large shapes (7B, 32B) can be
+written without holding the model in memory.
 
     python scripts/save_random_checkpoint.py configs/models/qwen2.5-7b /tmp/qwen7b-random --device cuda
 
-Used by the benchmarks to exercise the real loading path without downloading weights.
+Used by the benchmarks to exercise the real loading path without downloading weights, and by
+`make demo-lora` for the frozen base its adapters train on.
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     weights = RandomWeights(ModelConfig(name_or_path=args.model_dir, init="random"), args.seed)
     device = torch.device(args.device)
 
     def tensors():
         for name, param in weights.reference.named_parameters():
-            yield name, weights.read(name, (), device).to(torch.bfloat16)
+            yield name, weights.read(name, (), device).to(getattr(torch, args.dtype))
 
     with atomic.directory(Path(args.out_dir)) as tmp:
         write_safetensors(tensors(), tmp)

@@ -2,6 +2,7 @@
 
     python -m sft.chat runs/demo/export --prompt "What is 12 + 30?"     # one answer
     python -m sft.chat runs/demo/export                                 # interactive, multi-turn
+    python -m sft.chat runs/demo_lora/export --prompt "..."             # a LoRA adapter, on its base
 
 Uses the model's own chat template; greedy decoding by default. For real evaluation use
 lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on the export.
@@ -10,9 +11,11 @@ lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on t
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft.config import is_local_path
@@ -29,6 +32,24 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperatu
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def merge_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
+    """Fold a PEFT LoRA adapter (as sft.export writes it) into `model`: W += alpha / r * B A on each
+    adapted layer, and the modules trained in full replaced."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head by its own name too
+    with torch.no_grad():
+        for key, tensor in tensors.items():
+            name = key.removeprefix("base_model.model.")
+            if ".lora_A." in name:
+                stem = name.split(".lora_A.")[0]
+                update = scaling * tensors[key.replace(".lora_A.", ".lora_B.")].float() @ tensor.float()
+                params[f"{stem}.weight"].add_(update.to(params[f"{stem}.weight"].dtype))
+            elif ".lora_B." not in name:
+                params[name].copy_(tensor)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="an export directory (or any Hugging Face chat model)")
@@ -38,12 +59,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args(argv)
     model_dir = Path(args.model_dir).expanduser()
-    if (model_dir.exists() or is_local_path(args.model_dir)) and not (model_dir / "config.json").is_file():
-        raise UserError(f"{args.model_dir}: not a model directory (no config.json there); give an export, e.g. "
-                        "runs/demo/export (checkpoint.export_hf: true or python -m sft.export)")
+    adapter = model_dir / "adapter_config.json"
+    if ((model_dir.exists() or is_local_path(args.model_dir)) and not (model_dir / "config.json").is_file()
+            and not adapter.is_file()):
+        raise UserError(f"{args.model_dir}: not a model directory (no config.json or adapter_config.json there); give "
+                        "an export, e.g. runs/demo/export (checkpoint.export_hf: true or python -m sft.export)")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto").to(device).train(False)
+    if adapter.is_file():  # a LoRA adapter: its base, with the adapter merged in
+        model = AutoModelForCausalLM.from_pretrained(json.loads(adapter.read_text())["base_model_name_or_path"],
+                                                     dtype="auto")
+        merge_adapter(model, model_dir)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
+    model = model.to(device).train(False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
     try:

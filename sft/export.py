@@ -1,15 +1,22 @@
-"""Export a training checkpoint as a Hugging Face model directory (safetensors + config + tokenizer).
+"""Export a training checkpoint as a Hugging Face model directory (safetensors + config + tokenizer),
+or, for a LoRA run, as a PEFT adapter.
 
     python -m sft.export runs/my-run/checkpoints/step-1000 runs/my-run/export [--dtype bfloat16]
+    python -m sft.export runs/my-lora-run/checkpoints/step-1000 out [--merge]
 
-The result loads with `AutoModelForCausalLM.from_pretrained` (and so vLLM). Runs in one process
-on the CPU and never needs the whole model in memory: tensors are read from the sharded DCP
-checkpoint a group at a time (up to one output shard, 5 GiB) and written as they come.
+The model loads with `AutoModelForCausalLM.from_pretrained` (and so vLLM). A LoRA checkpoint
+exports its adapter in PEFT's format (adapter_config.json naming the base it was trained on, and
+adapter_model.safetensors), which `peft.PeftModel.from_pretrained(base, out)` loads; with --merge,
+the base with the adapter folded into its weights (W + alpha / r * B A), a plain Hugging Face model.
+Runs in one process on the CPU and never needs the whole model in memory: tensors are read from
+the sharded DCP checkpoint (and a LoRA run's base from its own files) a group at a time (up to one
+output shard, 5 GiB) and written as they come.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,15 +26,17 @@ import torch.distributed.checkpoint as dcp
 import yaml
 
 from sft import atomic
-from sft.checkpoint.layout import CheckpointError, checkpoint_problem, content_problem
-from sft.config import DTYPES, ModelConfig
+from sft.checkpoint.layout import CONFIG, HF_FILES, CheckpointError, checkpoint_problem, content_problem
+from sft.config import DTYPES, ModelConfig, is_local_path
 from sft.errors import run_command
-from sft.models.hub import MAX_SHARD_BYTES, write_safetensors
 from sft.models.build import build_meta_model, load_tokenizer
-from sft.models.hub import to_hub_tensors
+from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
+from sft.models.lora import is_adapter
+from sft.models.weights import initial_weights
 
 
-def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's model tensors named in `shapes`, float32, read a group at a time."""
     names = list(shapes)
     while names:
         group, size = {}, 0
@@ -38,26 +47,83 @@ def _tensors(checkpoint: Path, shapes: dict[str, torch.Size], dtype: torch.dtype
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": group}, checkpoint_id=checkpoint, no_dist=True)
-        for name, tensor in group.items():
-            yield name, tensor.to(dtype)
+        yield from group.items()
 
 
-def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
-    """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`."""
+def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: bool = False) -> None:
+    """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`: the model,
+    or a LoRA run's adapter (`merge`: the model with the adapter merged in)."""
     # The checkpoint carries the model's config.json and tokenizer (hf/): the original model
-    # directory or hub cache need not exist any more.
-    trust_remote_code = yaml.safe_load((checkpoint / "config.yaml").read_text())["model"]["trust_remote_code"]
-    model_cfg = ModelConfig(name_or_path=str(checkpoint / "hf"), trust_remote_code=trust_remote_code)
+    # directory or hub cache need not exist any more (but for a LoRA run's base weights).
+    cfg = yaml.safe_load((checkpoint / CONFIG).read_text())
+    model_cfg = ModelConfig(name_or_path=str(checkpoint / HF_FILES), trust_remote_code=cfg["model"]["trust_remote_code"])
     model = build_meta_model(model_cfg)
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}
+    lora = cfg.get("lora", {})
     with atomic.directory(out_dir) as tmp:
-        # MoE: fused expert tensors are written per expert, as transformers saves them (sft/moe.py).
-        write_safetensors(to_hub_tensors(model.config.model_type, _tensors(checkpoint, shapes, DTYPES[dtype])), tmp)
-        model.config.dtype = dtype
-        model.config.use_cache = True  # for inference
-        model.config.save_pretrained(tmp)
+        if lora.get("rank", 0) and not merge:
+            write_adapter(checkpoint, lora, cfg["model"]["name_or_path"], model, tmp, DTYPES[dtype])
+        else:
+            tensors = _merged(checkpoint, lora, cfg, model, shapes) if lora.get("rank", 0) else _tensors(checkpoint, shapes)
+            # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
+            write_safetensors(to_hub_tensors(model.config.model_type, ((n, t.to(DTYPES[dtype])) for n, t in tensors)),
+                              tmp)
+            model.config.dtype = dtype
+            model.config.use_cache = True  # for inference
+            model.config.save_pretrained(tmp)
         load_tokenizer(model_cfg).save_pretrained(tmp)
+
+
+def _adapter_shapes(checkpoint: Path) -> dict[str, torch.Size]:
+    """The parameters a LoRA checkpoint holds (adapters, modules trained in full), by model name."""
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model."): metadata[key].size for key in metadata if key.startswith("model.")}
+
+
+def write_adapter(checkpoint: Path, lora: dict, base: str, model, out: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's adapter as PEFT writes one (adapter_model.safetensors, adapter_config.json)
+    for `model` (the meta-device model it was trained on, based on `base`)."""
+    shapes = _adapter_shapes(checkpoint)
+    tensors = {f"base_model.model.{name}": tensor.to(dtype) for name, tensor in _tensors(checkpoint, shapes)}
+    # A trained embedding of a tied model is its lm_head too: PEFT unties them unless asked to keep
+    # them tied (ensure_weight_tying), and then reads both.
+    names = {module: name for name, module in model.named_modules()}
+    embedding, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
+    tied = model.config.get_text_config().tie_word_embeddings and f"base_model.model.{embedding}.weight" in tensors
+    if tied:
+        tensors[f"base_model.model.{head}.weight"] = tensors[f"base_model.model.{embedding}.weight"].clone()
+    write_safetensors(tensors.items(), out, single_file="adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "target_modules": sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes if is_adapter(name)}),
+        "modules_to_save": lora["modules_to_save"] or None,
+        # A trained embedding of a tied model is the lm_head too: PEFT unties them unless asked.
+        "ensure_weight_tying": tied,
+        # A local base by its absolute path, so that the adapter loads from anywhere.
+        "base_model_name_or_path": str(Path(base).resolve()) if is_local_path(base) else base,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _merged(checkpoint: Path, lora: dict, cfg: dict, model, shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's tensors (from its own files, or its random init) with the adapters merged in and
+    the modules trained in full as trained: float32, one tensor at a time."""
+    trained = dict(_tensors(checkpoint, _adapter_shapes(checkpoint)))
+    base_cfg = ModelConfig(**{key: cfg["model"][key] for key in ("name_or_path", "init", "trust_remote_code")})
+    base = initial_weights(base_cfg, cfg["train"]["seed"], model)
+    scaling = lora["alpha"] / lora["rank"]
+    for name in shapes:
+        if name in trained:  # a module trained in full
+            yield name, trained[name]
+            continue
+        tensor = base.read(name, (), torch.device("cpu")).float()
+        stem = name.removesuffix(".weight")
+        if f"{stem}.lora_A.weight" in trained:
+            tensor = tensor + scaling * trained[f"{stem}.lora_B.weight"] @ trained[f"{stem}.lora_A.weight"]
+        yield name, tensor
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,12 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="a committed checkpoints/step-N directory")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA checkpoint: write the base with the adapter merged in, not the adapter")
     args = parser.parse_args(argv)
     problem = checkpoint_problem(args.checkpoint) or content_problem(args.checkpoint)
     if problem:
         raise CheckpointError(f"{args.checkpoint} is not a usable checkpoint ({problem}): give a committed "
                               "checkpoints/step-N directory (its run's checkpoints/latest names the newest)")
-    export_hf(args.checkpoint, args.out_dir, args.dtype)
+    export_hf(args.checkpoint, args.out_dir, args.dtype, args.merge)
     print(f"exported {args.checkpoint} to {args.out_dir}")
 
 

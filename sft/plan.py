@@ -40,20 +40,22 @@ import argparse
 import math
 import os
 import dataclasses
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
-from sft.checkpoint.layout import CHECKPOINT_BYTES_PER_PARAMETER
-from sft.config import ACConfig, Config, ConfigError, ModelConfig, load_config
+from sft.config import Config, ConfigError, LoRAConfig, ModelConfig, load_config
 from sft.errors import run_command
-from sft.parallel.context_parallel import unsupported
-from sft.training.loss import LOGITS_PER_CHUNK
 from sft.models.build import ModelError, build_meta_model, decoder_blocks
+from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
 from sft.models.moe import active_parameters, expert_shape
-from sft.parallel.activation_checkpointing import ac_block_indices
+from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, kept_bytes_per_token, recompute_fraction
+from sft.parallel.context_parallel import unsupported
+from sft.parallel.mesh import ParallelDims
+from sft.training.loss import LOGITS_PER_CHUNK
+from sft.training.optim import STATE_BYTES
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05
@@ -87,15 +89,42 @@ class Shapes:
     experts: int = 0
     top_k: int = 0
     active_params: int = 0
-    context_parallel: bool = True  # whether rows can be split (sft/context_parallel.py:unsupported)
+    context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
     attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
+    # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
+    # whether the lm_head trains; QLoRA: the base weights stored in NF4 (in all, in one block: whole
+    # on every rank) and the largest of them (dequantised to bf16 one matrix at a time).
+    trained_params: int | None = None
+    block_trained: int | None = None
+    head_trained: bool = True
+    nf4_params: int = 0
+    block_nf4: int = 0
+    largest_nf4: int = 0
 
     @property
     def q_dim(self) -> int:
         return self.attention_dim or self.hidden
 
+    @property
+    def trained(self) -> int:
+        return self.params if self.trained_params is None else self.trained_params
+
+    @property
+    def block_trained_params(self) -> int:
+        return self.block_params if self.block_trained is None else self.block_trained
+
     @classmethod
-    def of(cls, model: nn.Module) -> Shapes:
+    def of(cls, model: nn.Module, lora: LoRAConfig | None = None) -> Shapes:
+        """The shapes of `model` (a meta-device model), trained as `lora` says (on it: it is changed)."""
+        if lora is not None and lora.enabled:
+            apply_lora(model, decoder_blocks(model), dataclasses.replace(lora, base="bfloat16"), torch.bfloat16)
+            nf4 = [p.numel() for p in nf4_weights(model)] if lora.base == "nf4" else []
+            block_nf4 = nf4_weights(decoder_blocks(model)[0]) if nf4 else []
+            return dataclasses.replace(
+                cls.of(model), trained_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                block_trained=sum(p.numel() for p in decoder_blocks(model)[0].parameters() if p.requires_grad),
+                head_trained=model.get_output_embeddings().weight.requires_grad,
+                nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
         text = model.config.get_text_config()
         params = sum(p.numel() for p in model.parameters())
         block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
@@ -106,7 +135,7 @@ class Shapes:
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
-                   unsupported(model) is None, text.num_attention_heads * head_dim)
+                   unsupported(model, moe=experts > 0) is None, text.num_attention_heads * head_dim)
 
 
 def moe_bytes_per_token(s: Shapes) -> int:
@@ -118,27 +147,6 @@ def moe_bytes_per_token(s: Shapes) -> int:
     return 2 * 3 * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
 
 
-def ops_bytes_per_token(s: Shapes, compiled: bool, ac_mode: str) -> int:
-    """Bytes per token a block checkpointed at op level (ac.mode other than blocks) keeps until its
-    backward, for a Llama/Qwen block (matmuls q, k, v, o, gate, up, down; sft/parallel.py:OPS_KEEP_EVERY).
-    ops: its input (h), the q/k/v projections (q_dim + 2 kv; rotary is recomputed from them),
-    attention's output (q_dim) and log-sum-exp (float32 per head), the o projection (h: the residual sum
-    is recomputed from it) and gate/up (2 ffn; SiLU and the product are recomputed). ops_half keeps
-    q, v and gate of those (k, o and up are recomputed): input, q, v, attention, gate. All bf16.
-    Compiled, the partitioner keeps only what backward reads; eager, selective checkpointing also
-    caches the down projection's output (h), which backward never reads. tests/test_distributed.py
-    checks these counts against what a real block keeps. attention keeps the input and attention's
-    output and log-sum-exp, compiled or not."""
-    q = s.q_dim  # q and attention's output: hidden in Llama/Qwen2.5, wider in Qwen3-MoE and gpt-oss
-    if ac_mode == "attention":
-        return 2 * (s.hidden + q) + 4 * s.heads
-    if ac_mode == "ops":
-        saved = 2 * s.hidden + 2 * q + 2 * s.ffn + 2 * s.kv_dim
-    else:
-        saved = s.hidden + 2 * q + s.ffn + s.kv_dim
-    return 2 * (saved + (0 if compiled else s.hidden)) + 4 * s.heads
-
-
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
                float8: bool = False, ac_mode: str = "blocks", cp: int = 1) -> float:
@@ -147,9 +155,11 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
     and compiled whole checkpointed blocks hold the size of the whole row's (see below)."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
-    # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward.
-    gathered_blocks = 2 * s.block_params if reshard_after_forward else s.layers * s.block_params
-    gathered = 2 * gathered_blocks + 2 * s.root_params
+    # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
+    # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16.
+    sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
+    block_bytes = 2 * (s.block_params - s.block_nf4)
+    gathered = (2 if reshard_after_forward else s.layers) * block_bytes + 2 * s.root_params + 2 * s.largest_nf4
     if compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:
@@ -158,9 +168,9 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     per_token_layer += moe_bytes_per_token(s)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
-    gathered_kv = 2 * 2 * s.kv_dim  # bytes per token of a row's gathered K and V (bf16; sft/context_parallel.py)
+    gathered_kv = 2 * 2 * s.kv_dim  # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
-    kept = 2 * s.hidden if ac_mode == "blocks" else ops_bytes_per_token(s, compiled, ac_mode)
+    kept = 2 * s.hidden if ac_mode == "blocks" else kept_bytes_per_token(s, compiled, ac_mode)
     if ac_mode == "blocks" and compiled and cp > 1:
         # Measured at 128k-token rows (cp 2 and cp 4, docs/BENCHMARKS.md issue #25): compiled
         # whole-block checkpointing peaks 7-8 GiB above its blocks' inputs and one block's
@@ -172,20 +182,25 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
         activations += tokens * (per_token_layer if ac_mode == "blocks" else max(0, per_token_layer - kept))
     rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
-    loss = 2 * 4 * rows * s.vocab + (4 + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
+    # one chunk of float32 logits and its gradient, the lm_head's float32 gradient (when it trains),
+    # the hidden states and their gradient
+    loss = 2 * 4 * rows * s.vocab + (4 * s.head_trained + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
     # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
     # sharded gradients only from the second micro-batch of a step on: they are set to None after
     # each step) and the end of backward (all sharded gradients alive, one block's unsharded float32
     # gradients being reduced, activations gone).
     # With CPU offload the sharded state is on the host; the GPU holds only the fp32 shards of the
     # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
+    # LoRA: the frozen base in bf16 (sharded) or NF4 (whole), no gradient, no optimizer state.
     if cpu_offload:
-        state_in_forward = state_in_backward = 2 * 4 * s.block_params / shard_ranks
+        state_in_forward = state_in_backward = 2 * STATE_BYTES.master * s.block_params / shard_ranks
     else:
-        state_in_forward = (12 if grad_accum == 1 else 16) * s.params / shard_ranks
-        state_in_backward = 16 * s.params / shard_ranks
+        grads_in_forward = STATE_BYTES.grad if grad_accum > 1 else 0
+        nf4 = NF4_BYTES_PER_PARAMETER * s.nf4_params
+        state_in_forward = ((STATE_BYTES.checkpoint + grads_in_forward) * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
+        state_in_backward = (STATE_BYTES.total * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
     end_of_forward = state_in_forward + gathered + activations + loss
-    end_of_backward = state_in_backward + gathered + 4 * s.block_params + tokens * per_token_layer
+    end_of_backward = state_in_backward + gathered + 4 * s.block_trained_params + tokens * per_token_layer
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
 
 
@@ -196,8 +211,8 @@ def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = 
     # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
     # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
     pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
-    staged = CHECKPOINT_BYTES_PER_PARAMETER * sum(shards) if staged_checkpoints else 0  # the state the writer writes
-    return pinned + 8 * sum(shards) + staged + HOST_PROCESS_GIB * GIB
+    staged = STATE_BYTES.checkpoint * sum(shards) if staged_checkpoints else 0  # the state the writer writes
+    return pinned + STATE_BYTES.optimizer * sum(shards) + staged + HOST_PROCESS_GIB * GIB
 
 
 @dataclass(frozen=True)
@@ -231,8 +246,8 @@ def this_machine_mem_gib() -> float:
 
 def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
     """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
-    return m.gpus_on_a_node * host_bytes_per_rank(s, m.gpus // cfg.fsdp.replicate_degree,
-                                                              cfg.checkpoint.stages_in_host_memory) / GIB
+    return m.gpus_on_a_node * host_bytes_per_rank(s, dims_of(cfg, m.gpus).shard_ranks,
+                                                  cfg.checkpoint.stages_in_host_memory) / GIB
 
 
 def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
@@ -249,27 +264,10 @@ def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
 
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
-MODES = typing.get_args(typing.get_type_hints(ACConfig)["mode"])
+MODES = tuple(AC_MODES)
 # (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
 AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
 MICRO_BATCHES = (1, 2, 4, 8)
-
-
-def recompute_fraction(s: Shapes, seq_len: int, ac_mode: str) -> float:
-    """What a block checkpointed in `ac_mode` reruns in backward, as a fraction of what a whole
-    checkpointed block reruns, by forward FLOPs per token: the matmuls (q and o: h x q_dim each; k
-    and v: h x kv; gate and up: h x ffn; not down, whose output backward never reads, so
-    recomputation stops before it) and causal attention (2 x seq x q_dim, at max_seq_len: an upper
-    bound for packed or padded rows). attention mode reruns the matmuls, ops_half k, o and up, ops
-    none (only the memory-bound ops, counted as nothing). Measured on 2 x H100, P-7B bf16 (4096
-    tokens): ops_half 0.45 and attention 0.85 of a whole block, against 0.46 and 0.92 here; at 32k
-    attention is 42% of what a whole block reruns (attention mode 0.58)."""
-    h, q, kv, ffn = s.hidden, s.q_dim, s.kv_dim, s.ffn
-    matmul = {"q": h * q, "k": h * kv, "v": h * kv, "o": h * q, "gate": h * ffn, "up": h * ffn}
-    attention = seq_len * q  # half of the row per product (causal), two products, per 2 FLOPs
-    rerun = {"blocks": sum(matmul.values()) + attention, "attention": sum(matmul.values()),
-             "ops_half": matmul["k"] + matmul["o"] + matmul["up"], "ops": 0}[ac_mode]
-    return rerun / (sum(matmul.values()) + attention)
 
 
 def recompute_cost(s: Shapes, seq_len: int, ac_ratio: float, ac_mode: str) -> float:
@@ -287,12 +285,17 @@ def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
+def dims_of(cfg: Config, gpus: int) -> ParallelDims:
+    """The layout `cfg`'s degrees give `gpus` GPUs (one clear error where they do not divide)."""
+    return ParallelDims(gpus, cfg.fsdp.replicate_degree, cfg.cp.degree)
+
+
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
     """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
     split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
     tokens = micro_batch * -(-cfg.data.max_seq_len // cfg.cp.degree)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
-    return peak_bytes(s, gpus // cfg.fsdp.replicate_degree, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
+    return peak_bytes(s, dims_of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
                       cfg.precision.float8 != "none", ac_mode, cfg.cp.degree) / GIB
 
@@ -307,8 +310,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
-    data_parallel = m.gpus // cfg.cp.degree
-    global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel
+    dims = dims_of(cfg, m.gpus)
+    global_batch, data_parallel = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps), dims.dp_size
     fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
@@ -327,7 +330,7 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
     data.max_seq_len tokens per micro-batch fits with some activation checkpointing, or None; only
     1 for a model whose rows cannot be split."""
     for degree in CP_DEGREES if s.context_parallel else (1,):
-        if m.gpus % degree or degree > m.gpus_on_a_node:
+        if m.gpus % (degree * cfg.fsdp.replicate_degree) or degree > m.gpus_on_a_node:
             continue
         at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
         if any(m.fits(predict_gib(s, at, m.gpus, 1, ratio, mode)) for ratio, mode in AC_SETTINGS):
@@ -357,10 +360,10 @@ def planning_model(cfg: ModelConfig) -> tuple[nn.Module, str]:
 def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     """The planner's report, and whether any setting fits (GPU and, with offload, host)."""
     model, shapes_note = planning_model(cfg.model)
-    s = Shapes.of(model)
+    s = Shapes.of(model, cfg.lora)
     active = f" ({s.active_params / 1e9:.2f}B active: {s.top_k} of {s.experts} experts per token)" if s.experts else ""
     lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters{active}, {s.layers} blocks, {m.gpus} GPUs "
-             f"({m.gpus // cfg.fsdp.replicate_degree}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
+             f"({dims_of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
@@ -374,7 +377,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.checkpoint.enabled:
-        each, at_once = CHECKPOINT_BYTES_PER_PARAMETER * s.params / GIB, cfg.checkpoint.most_on_disk
+        each, at_once = STATE_BYTES.checkpoint * s.trained / GIB, cfg.checkpoint.most_on_disk
         lines.append(f"checkpoints: {each:.1f} GiB each (fp32 weights and Adam moments), up to {at_once} at once "
                      f"(checkpoint.keep_last + the one being written): {each * at_once:.1f} GiB of train.output_dir")
     if cfg.fsdp.cpu_offload:
@@ -387,7 +390,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     choice = suggest(s, cfg, m)
     if choice:
         _, _, micro, accum = choice
-        lines.append(f"suggested: {as_overrides(*choice)} (global batch {micro * accum * m.gpus // cfg.cp.degree})")
+        lines.append(f"suggested: {as_overrides(*choice)} (global batch {dims_of(cfg, m.gpus).global_batch(micro, accum)})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
     degree = smallest_cp(s, cfg, m)
@@ -402,7 +405,7 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
     """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner, and cp.degree
     where rows do not fit at the configured one; return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
-    shapes, m = Shapes.of(build_meta_model(cfg.model)), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    shapes, m = Shapes.of(build_meta_model(cfg.model), cfg.lora), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
@@ -419,11 +422,21 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
             + ("" if choice == configured else f"; the config said {as_overrides(*configured)}") + ")")
 
 
-def check_fits(model: nn.Module, cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+def gpu_memory_gib(cfg: Config, device) -> float | None:
+    """The GPU memory to plan for: plan.gpu_mem_gib, else the GPU's own; None on a CPU without it."""
+    if cfg.plan.gpu_mem_gib:
+        return cfg.plan.gpu_mem_gib
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+
+
+def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                gpus_per_node: int | None = None) -> str | None:
     """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload,
     the node's host memory), else None."""
-    s, m = Shapes.of(model), Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
+    m = Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
     predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     problems = [] if m.fits(predicted) else [f"{predicted:.0f} GiB per GPU, more than {USABLE_FRACTION:.0%} of "
                                              f"{gpu_mem_gib:.0f} GiB GPUs"]

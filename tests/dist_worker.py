@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -22,15 +23,15 @@ from safetensors import safe_open
 
 from helpers import synthetic_global_batch
 from sft.data.collate import collate, collate_packed
-from sft.config import ACConfig, FSDPConfig, MoEConfig, ModelConfig, OptimConfig
-from sft.parallel.context_parallel import ContextParallel
+from sft.config import DTYPES, ACConfig, FSDPConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
+from sft.models.lora import apply_lora, is_adapter, is_nf4
 from sft.models.moe import apply_moe
 from sft.training.optim import build_optimizer
-from sft.parallel.fsdp import build_mesh
+from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 
 
@@ -79,7 +80,57 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
     p.add_argument("--attn", default="sdpa", help="model.attn_implementation (gpt-oss: eager)")
     p.add_argument("--load", help="init from this HF checkpoint dir and compare every tensor with the file")
+    p.add_argument("--lora-rank", type=int, default=0, help="lora.rank (adapters on every Linear of the blocks, "
+                   "set to non-zero values: lora_B starts at zero, where the adapters' gradients tell little)")
+    p.add_argument("--lora-base", default="bfloat16", help="lora.base (nf4: QLoRA)")
     return p.parse_args(flags)
+
+
+LORA_ALPHA = 16.0
+
+
+def adapter_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A non-zero value for adapter parameter `name`, the same on every rank and in the reference."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.05
+
+
+def set_adapters(model: torch.nn.Module) -> None:
+    """Every adapter parameter (sharded or not) set to adapter_value."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(name):
+                full_value = adapter_value(clean_name(name), tuple(param.shape))
+                if isinstance(param, DTensor):
+                    chunk = param.__create_chunk_list__()[0]
+                    index = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+                    param.to_local().copy_(full_value[index])
+                else:
+                    param.copy_(full_value)
+
+
+def lora_reference(model, samples: list[dict], rank: int, base: str) -> dict:
+    """Hugging Face's model and loss, each target Linear's weight replaced by the merged W + s B A
+    (torch.func.functional_call), with A and B leaves: the loss and the adapters' gradients by
+    autograd through the merge, an independent computation of what LoRALinear does. base nf4: W is
+    torchao's NF4 round trip of the bf16 weight, where it splits into NF4's groups of 64 x 256 values."""
+    merged, adapters = {}, {}
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear and ".layers." in name:
+            a = adapter_value(f"{name}.lora_A.weight", (rank, module.in_features)).requires_grad_()
+            b = adapter_value(f"{name}.lora_B.weight", (module.out_features, rank)).requires_grad_()
+            adapters[f"{name}.lora_A.weight"], adapters[f"{name}.lora_B.weight"] = a, b
+            weight = module.weight.detach()
+            if base == "nf4" and weight.numel() % (64 * 256) == 0:
+                from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+                weight = to_nf4(weight.to(torch.bfloat16)).get_original_weight().to(weight.dtype)
+            merged[f"{name}.weight"] = weight + LORA_ALPHA / rank * b @ a
+    batch = collate(samples, pad_token_id=0, max_seq_len=4096)
+    loss = torch.func.functional_call(model, merged, kwargs={k: batch[k] for k in ("input_ids", "labels", "position_ids")},
+                                      strict=False).loss
+    loss.backward()
+    return {"loss": loss.item(), "supervised_tokens": (batch["labels"][:, 1:] != -100).sum().item(),
+            "grads": {name: t.grad for name, t in adapters.items()}}
 
 
 def main() -> None:
@@ -90,13 +141,18 @@ def main() -> None:
     env = init_distributed()
     for name, flags in json.loads(Path(launch.runs).read_text()).items():
         torch._dynamo.reset()  # each compiled run compiles its own graphs, as in a process of its own
-        # ... with dynamo's settings of a fresh process (sft.moe.apply_moe changes one for MoE models)
+        # ... with dynamo's settings of a fresh process (sft.models.moe.apply_moe changes one for MoE models)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = False
         result = run(parse_run(flags), env)
         if env.rank == 0:
             torch.save(result, Path(launch.out) / f"{name}.pt")
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
     dist.destroy_process_group()
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `param` (all of it where FSDP does not shard it: QLoRA's NF4 weights)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def run(args: argparse.Namespace, env) -> dict:
@@ -111,6 +167,10 @@ def run(args: argparse.Namespace, env) -> dict:
     if args.reference and args.micro_batch:
         result.update(moe_reference(model, buffers, model_cfg, samples, args.micro_batch, env.device))
         named = dict(model.named_parameters())
+    elif args.reference and args.lora_rank:
+        materialize(model, buffers, env.device)
+        load_weights(model, initial_weights(model_cfg, 0, model), env.device)
+        return lora_reference(model, samples, args.lora_rank, args.lora_base)
     elif args.reference:
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
@@ -121,16 +181,17 @@ def run(args: argparse.Namespace, env) -> dict:
         result["supervised_tokens"] = (batch["labels"][:, 1:] != -100).sum().item()
         named = dict(model.named_parameters())
     else:
-        router = apply_moe(model, MoEConfig())
-        mesh = build_mesh(env.device.type, env.world_size, args.replicate)
-        cp = ContextParallel.build(args.cp, env)
-        parallelize(model, decoder_blocks(model), mesh, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
+        moe = apply_moe(model, MoEConfig())
+        apply_lora(model, decoder_blocks(model), LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base), DTYPES[args.param_dtype])
+        dims = ParallelDims(env.world_size, args.replicate, args.cp, env.rank).build(env.device.type)
+        parallelize(model, decoder_blocks(model), dims, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, cp)
+                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, moe)
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
+        set_adapters(model)
         rss = torch.zeros(env.world_size)
         rss[env.rank] = peak_rss_gib() - rss_before
         result["load_rss_increase_gib"] = all_reduce_sum(rss, env.device).tolist()
@@ -139,26 +200,29 @@ def run(args: argparse.Namespace, env) -> dict:
             result["tied_after_load"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         attach_sft_loss(model)
         if args.leakage_probe:
-            return leakage_probe(model, cp, env)
+            return leakage_probe(model, dims, env)
         block_linear = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Linear))
 
         def record_weight_dtype(module: torch.nn.Module, _inputs) -> None:
             result.setdefault("forward_weight_dtype", str(module.weight.dtype))
 
         block_linear.register_forward_pre_hook(record_weight_dtype)
-        per_rank = args.global_batch // cp.dp_size  # the ranks of a cp group share their samples
-        mine = samples[cp.dp_rank * per_rank : (cp.dp_rank + 1) * per_rank]
+        per_rank = args.global_batch // dims.dp_size  # the ranks of a cp group share their samples
+        mine = samples[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
         micro = per_rank // args.grad_accum
         groups = [mine[i : i + micro] for i in range(0, per_rank, micro)]
         batches = [collate_packed([g], 0, 128) if args.packed else collate(g, 0, 4096) for g in groups]
-        ce_sum, num_tokens = forward_backward(model, batches, env.device, not args.deferred_sync, cp)
+        ce_sum, num_tokens = forward_backward(model, batches, env.device, not args.deferred_sync, dims, moe)
         result["supervised_tokens"] = num_tokens.item()
         result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
-        if router:
-            stats = all_reduce_sum(router.step_stats(), env.device)
-            result["aux_loss"] = router.summary(stats)["aux_loss"]
+        if moe:
+            stats = all_reduce_sum(moe.step_stats(), env.device)
+            result["aux_loss"] = moe.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
-        result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values()})
+        result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values() if p.requires_grad})
+        result["frozen_shard_dtypes"] = sorted({str(local(p).dtype) for p in named.values() if not p.requires_grad})
+        result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]
+        result["frozen_with_grads"] = [n for n, p in named.items() if not p.requires_grad and p.grad is not None]
         result["expert_placements"] = sorted({str(p.placements) for n, p in named.items() if ".experts." in n and p.dim() == 3})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
         result["grad_norm"] = full(norm).item()
@@ -166,10 +230,11 @@ def run(args: argparse.Namespace, env) -> dict:
         optimizer.step()
         result["moment_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
                                           for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")})
+        result["optimizer_state_of_frozen"] = [n for n, p in named.items() if not p.requires_grad and p in optimizer.state]
         head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
         result["tied_after_step"] = head is embed
 
-    result["grads"] = {clean_name(n): full(p.grad) for n, p in named.items()}
+    result["grads"] = {clean_name(n): full(p.grad) for n, p in named.items() if p.grad is not None}
     return result
 
 
@@ -178,7 +243,7 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
     """One process, Hugging Face's own MoE model (its per-expert loop, its load_balancing_loss_func
     with the padding masked), on the micro-batches of `micro` samples of the run it stands for:
     sum of CE / supervised tokens + coef * mean over layers of each micro-batch's aux loss, weighted
-    by its share of real tokens (the definition in sft/moe.py)."""
+    by its share of real tokens (the definition in sft/models/moe.py)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     model.set_experts_implementation("eager")
@@ -201,7 +266,7 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
     return {"loss": ce.item(), "aux_loss": aux.item()}
 
 
-def leakage_probe(model: torch.nn.Module, cp: ContextParallel, env) -> dict:
+def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
     """The summed loss of the last document of one packed row (three documents, only the last one
     supervised) as it is, with the tokens of the first two replaced, and with its own first token
     replaced (the control: the probe sees a change where there is one)."""
@@ -210,7 +275,7 @@ def leakage_probe(model: torch.nn.Module, cp: ContextParallel, env) -> dict:
         row.append({"input_ids": last, "labels": [-100] + last[1:]})
         batch = collate_packed([row], 0, sum(len(s["input_ids"]) for s in row))
         with torch.no_grad():
-            ce = model.sft_loss(**{k: v.to(env.device) for k, v in loss_inputs(batch, cp).items()})
+            ce = model.sft_loss(**{k: v.to(env.device) for k, v in loss_inputs(batch, dims).items()})
         return all_reduce_sum([ce.item()], env.device)[0].item()
 
     g = torch.Generator().manual_seed(1)

@@ -26,7 +26,7 @@ from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, load_tokenizer, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
 from sft.training.optim import build_optimizer, build_scheduler
-from sft.parallel.fsdp import build_mesh
+from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 
 
@@ -36,10 +36,10 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def build(model_cfg: ModelConfig, recipe: str, env, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+def build(model_cfg: ModelConfig, recipe: str, env, dims) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     model = build_meta_model(model_cfg)
     buffers = real_buffers(model)
-    parallelize(model, decoder_blocks(model), mesh, ACConfig(), False, FSDPConfig(param_dtype="bfloat16"), recipe)
+    parallelize(model, decoder_blocks(model), dims, ACConfig(), False, FSDPConfig(param_dtype="bfloat16"), recipe)
     materialize(model, buffers, env.device)
     attach_sft_loss(model)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
@@ -69,8 +69,8 @@ def main() -> None:
     env = init_distributed()
     torch.manual_seed(0)
     model_cfg = ModelConfig(name_or_path=args.model, init="random")
-    mesh = build_mesh(env.device.type, env.world_size, 1)
-    model, optimizer, scheduler = build(model_cfg, args.float8, env, mesh)
+    dims = ParallelDims(env.world_size, rank=env.rank).build(env.device.type)
+    model, optimizer, scheduler = build(model_cfg, args.float8, env, dims)
     if args.fuse_casts:
         fuse_weight_casts()
     result: dict = {"float8_linears": sorted(clean_name(n) for n, m in model.named_modules()
@@ -81,7 +81,7 @@ def main() -> None:
     config.train.output_dir, config.train.run_name = args.save or ".", "run"
     ckpt = Checkpointer(config, load_tokenizer(model_cfg), env)
     if args.resume:
-        ckpt.restore(Path(args.resume), model, optimizer, scheduler)
+        ckpt.restore(Path(args.resume), model, optimizer, scheduler, global_batch=8)
         result["loaded"] = full_params(model)
     else:
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
@@ -108,8 +108,8 @@ def main() -> None:
         path = ckpt.save(args.steps, model, optimizer, scheduler, state)
         result["checkpoint"] = str(path)
         if args.reload_as:
-            other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, mesh)
-            ckpt.restore(path, other, other_optimizer, other_scheduler)
+            other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, dims)
+            ckpt.restore(path, other, other_optimizer, other_scheduler, global_batch=8)
             result["reloaded"] = full_params(other)
             # The same weights through both precisions: float8 must change the numbers, a little.
             result["loss_saved"] = loss_at_current_weights(model, batch, env)

@@ -149,17 +149,18 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
         time.sleep(0.2)
 
 
-def demo_args(data: Path, out: Path, name: str, *overrides: str) -> list[str]:
-    """train.py arguments for the demo config on `data` (train.jsonl + eval.jsonl), run `name`
-    under `out`; later overrides win."""
-    return ["train.py", "--config", "configs/demo.yaml", f"data.path={data / 'train.jsonl'}",
+def demo_args(data: Path, out: Path, name: str, *overrides: str, config: str = "configs/demo.yaml") -> list[str]:
+    """train.py arguments for the demo config (or `config`) on `data` (train.jsonl + eval.jsonl), run
+    `name` under `out`; later overrides win."""
+    return ["train.py", "--config", config, f"data.path={data / 'train.jsonl'}",
             f"data.eval_path={data / 'eval.jsonl'}", f"train.output_dir={out}", f"train.run_name={name}",
             f"data.cache_dir={out / 'cache'}", *overrides]
 
 
-def run_demo(data: Path, out: Path, name: str, *overrides: str, nproc: int = 1, **kwargs) -> subprocess.CompletedProcess:
+def run_demo(data: Path, out: Path, name: str, *overrides: str, nproc: int = 1, config: str = "configs/demo.yaml",
+             **kwargs) -> subprocess.CompletedProcess:
     """The one launcher of train.py runs in the tests: torchrun on the demo config (see demo_args)."""
-    return run_torchrun(demo_args(data, out, name, *overrides), nproc=nproc, **kwargs)
+    return run_torchrun(demo_args(data, out, name, *overrides, config=config), nproc=nproc, **kwargs)
 
 
 def train_losses(run_dir: Path) -> dict[int, tuple[float, float]]:

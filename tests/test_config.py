@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from helpers import REPO, run_cli
-from sft.config import README_MARKERS, ConfigError, load_config, reference_markdown, to_yaml
+from sft.config import ConfigError, load_config, to_yaml
+from sft.config.reference import README_MARKERS, reference_markdown
 
 
 def write(tmp_path: Path, tree: dict) -> Path:
@@ -45,6 +46,13 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     ("data.chat_template_kwargs=true", "data.chat_template_kwargs=True: expected a mapping of names to values"),
     ("data.chat_template_kwargs.tools=[]", "data.chat_template_kwargs={'tools': []}: tools are set by the trainer"),
     ("data.chat_template_kwargs={a: 1", "override 'data.chat_template_kwargs={a: 1': the value is not valid YAML"),
+    ("lora.rank=-1", "lora.rank=-1: must be >= 0 (0 = full fine-tuning)"),
+    (["lora.rank=8", "lora.dropout=1"], "lora.dropout=1.0: must be in [0, 1)"),
+    (["lora.rank=8", "lora.target_modules=[]"], "lora.target_modules=[]: name at least one Linear layer"),
+    (["lora.rank=8", "precision.float8=tensorwise", "compile.enabled=true"], "precision.float8='tensorwise': not with LoRA yet"),
+    (["lora.rank=8", "lora.base=nf4", "fsdp.cpu_offload=true"], "lora.base='nf4': not with fsdp.cpu_offload=true"),
+    (["lora.rank=8", "lora.base=nf4", "model.prepared_cache=/tmp/cache"], "lora.base='nf4': not with model.prepared_cache"),
+    (["lora.rank=8", "lora.base=nf8"], "lora.base"),
     ("model.attn_implementation=sdap", "model.attn_implementation='sdap': not an attention implementation "
                                        "transformers knows (one of eager, flash_attention_2,"),
     ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2': needs the "
@@ -53,7 +61,7 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
 def test_bad_values_name_key_and_file(tmp_path, override, message):
     path = write(tmp_path, base(tmp_path))
     with pytest.raises(ConfigError) as err:
-        load_config(path, [override])
+        load_config(path, [override] if isinstance(override, str) else override)
     assert message in str(err.value)
     assert str(path) in str(err.value)
 
@@ -78,8 +86,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_readme_config_reference_is_current():
-    """`python -m sft.config --readme README.md` regenerates it; this fails until someone does."""
-    readme = (REPO / "README.md").read_text()
+    """`python -m sft.config --readme docs/configuration.md` regenerates it; this fails until someone does."""
+    readme = (REPO / "docs" / "configuration.md").read_text()
     start, end = README_MARKERS
     assert readme.split(start)[1].split(end)[0] == reference_markdown()
 
@@ -132,15 +140,15 @@ def test_a_missing_model_directory_names_its_key(key, value):
 
 # Each `python -m sft.<tool>`: bad input is one line naming the problem, exit status 2, no traceback.
 CLI_ERRORS = {
-    "config": ("sft.config", ["no/such.yaml"], "error: config file no/such.yaml not found"),
-    "run-dir": ("sft.config", ["--run-dir", "configs/demo.yaml", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
+    "config": ("sft.config.__main__", ["no/such.yaml"], "error: config file no/such.yaml not found"),
+    "run-dir": ("sft.config.__main__", ["--run-dir", "configs/demo.yaml", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
     "plan": ("sft.plan", ["--config", "configs/demo.yaml", "--gpus", "2", "ac.ratio=2"], "ac.ratio=2.0: must be in [0, 1]"),
     "export": ("sft.export", ["no/such/step-5", "out"],
                "error: no/such/step-5 is not a usable checkpoint (no such directory): give a committed checkpoints/step-N"),
     "data": ("sft.data.__main__", ["--config", "configs/demo.yaml", "data.path=no/such.jsonl"], "data.path='no/such.jsonl': file not found"),
     "chat": ("sft.chat", ["runs/no/such/export", "--prompt", "hi"],
-             "error: runs/no/such/export: not a model directory (no config.json there); give an export"),
-    "config, an override that is not YAML": ("sft.config", ["configs/demo.yaml", "data.chat_template_kwargs={a: 1"],
+             "error: runs/no/such/export: not a model directory (no config.json or adapter_config.json there)"),
+    "config, an override that is not YAML": ("sft.config.__main__", ["configs/demo.yaml", "data.chat_template_kwargs={a: 1"],
                                              "the value is not valid YAML"),
 }
 

@@ -15,7 +15,9 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from helpers import DEMO_MODEL
 from sft.config import ConfigError, ModelConfig
-from sft.parallel.context_parallel import ContextParallel, apply_context_parallel, attention_mask, unsupported, visible_keys
+from sft.parallel.context_parallel import apply_context_parallel, attention_mask, shard_rows, unsupported, visible_keys
+from sft.models.moe import expert_shape
+from sft.parallel.mesh import ParallelDims
 from sft.models.build import build_meta_model
 from sft.training.metrics import read_metrics
 
@@ -28,12 +30,12 @@ def test_rows_are_split_head_tail_with_targets_shifted_on_the_whole_row():
     labels = torch.arange(100, 110).view(1, 10)
     rows = {"input_ids": torch.arange(10).view(1, 10), "position_ids": torch.arange(10).view(1, 10),
             "targets": F.pad(labels[:, 1:], (0, 1), value=-100)}
-    local, _ = ContextParallel(degree=2, rank=1).shard_rows(rows)
+    local, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=1))
     assert local["input_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
     assert local["position_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
     assert local["targets"].tolist() == [[104, 105, 106, 107, 108, 109]]
     rows["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])  # two packed documents: 0-3, 4-9
-    _, layout = ContextParallel(degree=2, rank=0).shard_rows(rows)
+    _, layout = shard_rows(rows, ParallelDims(2, cp=2, rank=0))
     assert layout["query_index"].tolist() == [0, 1, 2, 9, 10, 11]
     assert layout["key_index"].tolist() == [0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8]  # rank 0's chunks, then rank 1's
     seen = attention_mask(**layout)[0, 0]
@@ -78,7 +80,7 @@ def test_the_gpu_block_mask_attends_as_the_whole_row_does():
     rows = {"input_ids": torch.zeros(1, length, dtype=torch.long), "position_ids": positions,
             "targets": torch.zeros(1, length, dtype=torch.long)}
     for rank in range(2):
-        _, layout = ContextParallel(degree=2, rank=rank).shard_rows(rows)
+        _, layout = shard_rows(rows, ParallelDims(2, cp=2, rank=rank))
         mine, keys = layout["query_index"], layout["key_index"]
         block_mask = create_block_mask(visible_keys(**layout), 1, None, len(mine), len(keys), device="cpu")
         with torch.no_grad():
@@ -100,10 +102,11 @@ def test_models_whose_rows_cannot_be_split_are_refused_by_name(model, reason, tm
                                                           **model}))
         model = str(tmp_path)
     meta = build_meta_model(ModelConfig(name_or_path=model))
-    assert reason in unsupported(meta)
+    moe = expert_shape(meta) is not None  # asked as train.py asks it: did apply_moe find experts
+    assert reason in unsupported(meta, moe)
     with pytest.raises(ConfigError, match=f"cp.degree=2: .*{reason}.*; use cp.degree=1"):
-        apply_context_parallel(meta, ContextParallel(degree=2))
-    assert unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL)))) is None
+        apply_context_parallel(meta, ParallelDims(2, cp=2), moe)
+    assert unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), moe=False) is None
 
 
 @pytest.mark.slow

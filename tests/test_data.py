@@ -133,14 +133,14 @@ def test_eval_split_is_held_out(tmp_path, tok):
 def test_sampler_partitions_each_global_batch():
     n = 103
     for world, ga, mb in ((1, 4, 2), (2, 2, 2), (4, 1, 2)):
-        samplers = [StepSampler(n, mb, ga, r, world, seed=3) for r in range(world)]
+        samplers = [StepSampler(n, mb, ga, mb * ga * world, r, seed=3) for r in range(world)]
         assert samplers[0].global_batch == 8 and samplers[0].steps_per_epoch == 12
         for step in (0, 5, 12, 13):  # 12, 13: second epoch, another order
             per_rank = [sum(s.micro_batches(step), []) for s in samplers]
             flat = sum(per_rank, [])
             assert len(flat) == len(set(flat)) == 8
-            assert sorted(flat) == sorted(StepSampler(n, 8, 1, 0, 1, seed=3).micro_batches(step)[0])
-    assert StepSampler(n, 8, 1, 0, 1, 3).micro_batches(0) != StepSampler(n, 8, 1, 0, 1, 3).micro_batches(12)
+            assert sorted(flat) == sorted(StepSampler(n, 8, 1, 8, 0, seed=3).micro_batches(step)[0])
+    assert StepSampler(n, 8, 1, 8, 0, 3).micro_batches(0) != StepSampler(n, 8, 1, 8, 0, 3).micro_batches(12)
 
 
 def test_a_first_batch_of_only_dropped_rows(tmp_path, tok):

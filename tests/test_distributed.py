@@ -12,7 +12,8 @@ from sft.config import ACConfig, ModelConfig
 from sft.training.metrics import read_metrics
 from sft.models.build import build_meta_model, decoder_blocks
 from sft.parallel.activation_checkpointing import apply_ac
-from sft.plan import Shapes, ops_bytes_per_token
+from sft.parallel.activation_checkpointing import kept_bytes_per_token
+from sft.plan import Shapes
 
 
 @pytest.fixture(scope="module")
@@ -157,11 +158,14 @@ def runs(tmp_path_factory, models):
     launches = {1: {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied")}, 4: {},
                 2: {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
                     "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"],
-                    "cp leakage probe": [*model["untied"], "--cp", "2", "--leakage-probe"]}}
+                    "cp leakage probe": [*model["untied"], "--cp", "2", "--leakage-probe"],
+                    "lora bf16": [*model["untied"], "--lora-rank", "4", "--param-dtype", "bfloat16"]}}
     for name, tie, nproc, flags, *_ in EQUIVALENT:
         launches[nproc][name] = [*model[tie], *flags]
     for name, moe, nproc, flags in MOE_RUNS:
         launches[nproc][name] = [*model[moe], *flags]
+    for name, nproc, flags, *_ in LORA_RUNS + QLORA_RUNS:
+        launches[nproc][name] = [*model["untied"], *flags]
     for name, ac_flags, flags in AC_EQUAL_TO_NONE:
         launches[2][baseline(flags)] = [*model["untied"], *flags]
         launches[2][name] = [*model["untied"], *flags, *ac_flags]
@@ -184,7 +188,7 @@ def _demo_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL), attn_implementation="sdpa")
-    model.config.use_cache = False  # as sft/model.py sets it for training
+    model.config.use_cache = False  # as sft/models/ sets it for training
     return model.to(dtype)
 
 
@@ -246,7 +250,7 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
              and (n.op != "placeholder" or tuple(n.meta["val"].shape[:2]) == (batch, seq))]
     kept = sum(t.numel() * t.element_size() for t in saved) / (batch * seq)
     shapes = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))))
-    assert kept == ops_bytes_per_token(shapes, compiled=True, ac_mode=mode) == per_token
+    assert kept == kept_bytes_per_token(shapes, compiled=True, mode=mode) == per_token
 
 
 # Mixture of experts (tiny Qwen3-MoE, 8 experts, top 2): (name, model, ranks, dist_worker flags). The
@@ -311,6 +315,65 @@ def test_moe_recompute_routes_as_forward(runs, name):
     assert ac["loss"] == plain["loss"] and ac["aux_loss"] == plain["aux_loss"]
     for param in plain["grads"]:
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param
+
+
+# LoRA (rank 4 on every Linear of the blocks, the adapters set to non-zero values) against Hugging
+# Face's model with each target weight replaced by the merged W + alpha/r B A, A and B leaves of
+# autograd (tests/dist_worker.py:lora_reference): (name, ranks, dist_worker flags, rtol of the loss and
+# the adapters' gradients). fp32.
+LORA_RUNS = [
+    ("lora reference", 1, ["--reference", "--lora-rank", "4"], None),
+    ("lora 1 rank, grad-acc 4", 1, ["--lora-rank", "4", "--grad-accum", "4"], 1e-5),
+    ("lora 2 ranks, grad-acc 2", 2, ["--lora-rank", "4", "--grad-accum", "2"], 1e-5),
+    ("lora 2 ranks, blocks checkpointed at op level", 2,
+     ["--lora-rank", "4", "--grad-accum", "2", "--ac-ratio", "1", "--ac-mode", "ops_half"], 1e-5),
+    ("lora cp 2, packed rows", 2, ["--lora-rank", "4", "--cp", "2", "--grad-accum", "4", "--packed"], 1e-5),
+    ("lora HSDP, 2 replicas", 2, ["--lora-rank", "4", "--grad-accum", "2", "--replicate", "2"], 1e-5),
+]
+QLORA = ["--lora-rank", "4", "--lora-base", "nf4"]
+QLORA_RUNS = [
+    ("qlora reference", 1, ["--reference", *QLORA], None),
+    ("qlora 1 rank", 1, [*QLORA, "--grad-accum", "2"], 1e-5),
+    ("qlora 2 ranks, blocks checkpointed", 2, [*QLORA, "--grad-accum", "2", "--ac-ratio", "1"], 1e-5),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rtol", [(row[0], row[3]) for row in LORA_RUNS[1:]], ids=[row[0] for row in LORA_RUNS[1:]])
+def test_lora_equals_the_merged_weight_reference(runs, name, rtol):
+    """The adapters' forward and gradients are those of the merged weights, in every layout: only the
+    adapters get gradients, each counted once."""
+    ref, run = runs("lora reference"), runs(name)
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert run["supervised_tokens"] == ref["supervised_tokens"]
+    assert_grads_close(run["grads"], ref["grads"], rtol=rtol, atol=1e-7)  # the merge sums in another order
+    assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, rtol", [(row[0], row[3]) for row in QLORA_RUNS[1:]], ids=[row[0] for row in QLORA_RUNS[1:]])
+def test_qlora_equals_the_reference_on_nf4_weights(runs, name, rtol):
+    """QLoRA: the adapters train as on the NF4 round trip of the base weights (every rank holds the
+    NF4 weights whole; FSDP shards the rest), with one rank or two."""
+    ref, run = runs("qlora reference"), runs(name)
+    # the demo model's q/o/gate/up/down weights split into NF4 groups; k/v (64 x 128) do not
+    assert sorted({n.split(".")[-2] for n in run["nf4_weights"]}) == ["down_proj", "gate_proj", "o_proj", "q_proj", "up_proj"]
+    assert len(run["nf4_weights"]) == 5 * 4
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert run["loss"] != pytest.approx(runs("lora reference")["loss"], rel=1e-4)  # NF4 changed the base
+    assert_grads_close(run["grads"], ref["grads"], rtol=rtol, atol=1e-7)
+    assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
+
+
+@pytest.mark.slow
+def test_lora_keeps_the_frozen_base_in_bf16_without_gradients_or_state(runs):
+    """bf16 compute: the frozen base is stored in bf16 (no float32 copy), gets no gradient and no
+    AdamW state; the adapters keep float32 masters and moments."""
+    run = runs("lora bf16")
+    assert run["frozen_shard_dtypes"] == ["torch.bfloat16"]
+    assert run["shard_dtypes"] == ["torch.float32"] and run["moment_dtypes"] == ["torch.float32"]
+    assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
+    assert run["grads"] and all(".lora_" in name for name in run["grads"])
 
 
 @pytest.mark.slow

@@ -51,12 +51,12 @@ from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
 from sft.models.float8 import precompute_float8_scales
 from sft.models.build import build_meta_model, decoder_blocks
-from sft.parallel.fsdp import build_mesh
+from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 cfg = load_config(sys.argv[1], ["compile.enabled=false"])
 init_distributed()
 model = build_meta_model(cfg.model)
-parallelize(model, decoder_blocks(model), build_mesh("cpu", 1, 1), cfg.ac, False, cfg.fsdp, cfg.precision.float8)
+parallelize(model, decoder_blocks(model), ParallelDims(1).build("cpu"), cfg.ac, False, cfg.fsdp, cfg.precision.float8)
 precompute_float8_scales(model, cfg.precision.float8)  # train.py calls it after every step
 try:
     load_config(sys.argv[1], ["precision.float8=tensorwise"])

@@ -29,8 +29,23 @@ def test_linear_cross_entropy_matches_autograd(monkeypatch, rows_per_chunk):
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=0)
     torch.testing.assert_close(grads[0], h.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grads[1], w.grad, rtol=1e-10, atol=1e-12)
-    no_grad_total = _chunked_cross_entropy(h.detach(), w.detach(), t, with_grads=False)[0]
+    no_grad_total = _chunked_cross_entropy(h.detach(), w.detach(), t, grad_hidden=False, grad_weight=False)[0]
     torch.testing.assert_close(no_grad_total.double(), ref.detach(), rtol=1e-6, atol=0)
+
+
+def test_a_frozen_lm_head_gets_no_gradient_and_the_hidden_states_theirs():
+    """LoRA freezes the lm_head: only the hidden states' gradient is formed (no float32 buffer of the
+    lm_head's size), and it is the one autograd gives."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(23, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(97, 16, generator=g, dtype=torch.float64)  # frozen
+    t = torch.randint(0, 97, (23,), generator=g)
+    LinearCrossEntropy.apply(h, w, t).backward()
+    ours = h.grad.clone()
+    h.grad = None
+    F.cross_entropy(h @ w.T, t, reduction="sum").backward()
+    torch.testing.assert_close(ours, h.grad, rtol=1e-10, atol=1e-12)
+    assert w.grad is None
 
 
 def test_collate_right_pads_and_keeps_hf_label_convention():

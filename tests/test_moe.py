@@ -1,4 +1,4 @@
-"""Mixture of experts (sft/moe.py) on a tiny Qwen3-MoE: the grouped GEMM against the per-expert loop,
+"""Mixture of experts (sft/models/moe.py) on a tiny Qwen3-MoE: the grouped GEMM against the per-expert loop,
 routing kept under checkpoint recomputation, the hub layout of expert weights both ways, and the MoE
 demo end to end (learns, resumes exactly, exports what transformers reloads). The 2-rank comparisons
 with Hugging Face's eager MoE are rows of tests/test_distributed.py (MOE_RUNS)."""
@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import DEMO_MOE_MODEL, REPO, OpCounter, gpt_oss_model_dir, moe_model_dir, run_torchrun
+from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, moe_model_dir, run_torchrun
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.training.metrics import read_metrics
 from sft.models.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
-from sft.models.moe import _per_expert_linear, apply_moe, expert_outputs, grouped_linear
+from sft.models.moe import SparseMoE, _per_expert_linear, apply_moe, expert_outputs, grouped_linear
 from sft.parallel.activation_checkpointing import apply_ac
 
 
@@ -52,6 +52,24 @@ def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
                        _per_expert_linear(x.float(), w.float().transpose(-2, -1), ends))
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
+    """apply_moe puts a module of ours in each sparse block's place: the parameter names (checkpoints,
+    hub files) are the model's, the Hugging Face modules carry no state of ours and keep their own
+    forward, and the handle holds the blocks."""
+    model = _hf_model() if arch == "qwen3_moe" else _hf_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
+    names = [name for name, _ in model.named_parameters()]
+    forwards = {name: type(module).forward for name, module in model.named_modules()}
+    moe = apply_moe(model, MoEConfig())
+    assert [name for name, _ in model.named_parameters()] == names
+    ours = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    assert len(ours) == len(moe.blocks) == model.config.num_hidden_layers and ours == moe.blocks
+    for name, module in model.named_modules():
+        if not isinstance(module, SparseMoE):
+            assert not [key for key in vars(module) if key.startswith("_sft") or key == "forward"], name
+            assert type(module).forward is forwards[name], name
+
+
 def test_experts_dispatch_and_combine_equal_hf_eager():
     """Sorting tokens by expert, the grouped experts and the weighted combine give HF's per-expert loop."""
     model = _hf_model()
@@ -68,7 +86,7 @@ def test_checkpoint_recomputation_does_not_route_again(mode):
     routing decision is saved (the 2-rank rows check the gradients are bitwise those without AC)."""
     model = _hf_model()
     router = apply_moe(model, MoEConfig())
-    apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode))
+    apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode), always_kept=router.routing_ops)
     ids = torch.randint(0, 800, (2, 16))
     router.begin_step(torch.tensor(32.0))
     router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))

@@ -7,9 +7,10 @@ import pytest
 from helpers import REPO, run_cli
 from sft.config import ConfigError, ModelConfig
 from sft.models.build import build_meta_model
+from sft.models.lora import NF4_BYTES_PER_PARAMETER
 from sft.plan import main as plan_main
-from sft.plan import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank,
-                      ops_bytes_per_token, peak_bytes, suggest)
+from sft.parallel.activation_checkpointing import AC_MODES, kept_bytes_per_token, recompute_fraction
+from sft.plan import ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank, peak_bytes, suggest
 
 # Peaks measured (torch.cuda.max_memory_allocated) on H200s (docs/BENCHMARKS.md "Memory planner") and
 # on H100s: (model, GPUs, tokens per micro-batch, ac.ratio, compiled, reshard_after_forward, grad-acc,
@@ -108,11 +109,10 @@ OPS_BYTES_7B = {
 
 
 def test_every_ac_mode_has_a_policy_and_a_cost(qwen7b):
-    from sft.parallel.activation_checkpointing import OPS_KEEP_EVERY
-    from sft.plan import MODES, recompute_fraction
+    from sft.plan import MODES
 
     assert MODES == ("blocks", "ops", "ops_half", "attention")
-    assert set(MODES) == {"blocks", *OPS_KEEP_EVERY}
+    assert set(MODES) == set(AC_MODES)  # one table: the policy's, the config's and the planner's
     # Qwen2.5-7B at 4096 tokens: the matmuls a whole block reruns (all but down) 165.2M FLOP-pairs
     # per token, attention 14.7M. Measured on 2 x H100 (P-7B bf16): ops_half 0.45 and attention 0.85
     # of a whole block; at 32k attention's share grows.
@@ -125,7 +125,7 @@ def test_every_ac_mode_has_a_policy_and_a_cost(qwen7b):
 
 @pytest.mark.parametrize("mode, compiled", OPS_BYTES_7B, ids=lambda x: str(x))
 def test_op_level_bytes_per_token_from_the_block_shapes(qwen7b, mode, compiled):
-    assert ops_bytes_per_token(qwen7b, compiled, mode) == OPS_BYTES_7B[mode, compiled]
+    assert kept_bytes_per_token(qwen7b, compiled, mode) == OPS_BYTES_7B[mode, compiled]
 
 
 def test_op_level_checkpointing_sits_between_whole_blocks_and_none(qwen7b):
@@ -159,7 +159,7 @@ def test_planner_names_the_smallest_cp_degree_that_fits(qwen7b, gpus, gib, token
 
 
 def test_planner_never_splits_rows_of_a_model_context_parallelism_refuses():
-    """Qwen3-30B-A3B (MoE, refused by sft/context_parallel.py:unsupported) at 64k tokens on 8 x 80 GB:
+    """Qwen3-30B-A3B (MoE, refused by sft/parallel/context_parallel.py:unsupported) at 64k tokens on 8 x 80 GB:
     cp 4 would fit by its memory, but only cp 1 is considered, and plan.auto says nothing fits."""
     from sft.config import load_config
     from sft.plan import apply_auto_plan, smallest_cp
@@ -311,8 +311,8 @@ def test_offload_host_budget_is_refused(tmp_path):
     assert suggest(s, cfg, Machine.of(16, 80, need - 1, 8)) is None
     with pytest.raises(ConfigError, match=r"fsdp.cpu_offload needs \d+ GiB of host memory per node \(8 GPUs per node\)"):
         apply_auto_plan(cfg, 16, 80, host_mem_gib=need - 1, gpus_per_node=8)
-    assert "GiB of host memory per node" in check_fits(model, cfg, 16, 80, host_mem_gib=need - 1, gpus_per_node=8)
-    assert check_fits(model, cfg, 16, 80, host_mem_gib=need + 1, gpus_per_node=8) is None
+    assert "GiB of host memory per node" in check_fits(cfg, 16, 80, host_mem_gib=need - 1, gpus_per_node=8)
+    assert check_fits(cfg, 16, 80, host_mem_gib=need + 1, gpus_per_node=8) is None
 
 
 def test_cli_plans_offload_on_a_machine_without_gpus(at_repo, capsys):
@@ -387,3 +387,67 @@ def test_moe_plan_of_the_issue_works_offline(at_repo, capsys):
     assert status == 0
     assert "30.53B parameters (3.35B active: 8 of 128 experts per token), 48 blocks" in out
     assert "suggested: ac.ratio=1 ac.mode=blocks train.micro_batch_size=2" in out
+
+
+# LoRA rank 16 on the 7 Linear layers of each of Qwen2.5-7B's 28 blocks (hidden 3584, k/v 512, FFN
+# 18944): r x (in + out) each, 40.37M in all, the count PEFT prints for this model.
+LORA_7B = 28 * 16 * (2 * (3584 + 3584) + 2 * (3584 + 512) + 3 * (3584 + 18944))
+
+
+def test_lora_shapes_count_the_adapters_and_the_nf4_base():
+    from sft.config import LoRAConfig
+
+    def of(**lora) -> Shapes:
+        return Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models/qwen2.5-7b"))),
+                         LoRAConfig(rank=16, **lora))
+
+    full, lora, qlora = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models/qwen2.5-7b")))), of(), of(base="nf4")
+    assert lora.trained == LORA_7B and lora.params == full.params + LORA_7B
+    assert lora.block_trained_params == LORA_7B // 28 and not lora.head_trained
+    # every Linear weight of the blocks (all split into NF4 groups); the embeddings, lm_head, norms stay bf16
+    block_linears = full.block_params - 2 * 3584 - (3584 + 2 * 512)  # less the two norms and the q/k/v biases
+    assert (qlora.nf4_params, qlora.block_nf4, lora.nf4_params) == (28 * block_linears, block_linears, 0)
+    assert qlora.largest_nf4 == 18944 * 3584
+    # The NF4 base is whole on every GPU: a second GPU halves the rest, not the NF4 bytes.
+    one, two = (peak_bytes(qlora, n, 4096, 2048, 1.0, True) for n in (1, 2))
+    nf4 = 28 * block_linears * NF4_BYTES_PER_PARAMETER
+    assert nf4 / GIB == pytest.approx(3.14, abs=0.01)  # 6.53B x 0.516 bytes
+    assert ALLOCATOR_SLACK * nf4 < two < one < peak_bytes(lora, 1, 4096, 2048, 1.0, True)
+    assert peak_bytes(lora, 1, 4096, 2048, 1.0, True) < peak_bytes(full, 1, 4096, 2048, 1.0, True) / 4
+
+
+def test_qwen72b_qlora_plans_one_80gb_gpu_offline(at_repo, capsys):
+    """The issue's command: 72B with a 4-bit base and rank-16 adapters fits one 80 GB GPU; full
+    fine-tuning needs 24 (16 bytes of state a parameter); a bf16 base with adapters two H200s."""
+    status, out = plan_cli(capsys, "--config", "configs/qwen72b_qlora.yaml", "--gpus", "1", "--gpu-mem", "80")
+    assert status == 0
+    assert "72.92B parameters" in out  # 72.71B and the 0.21B of the adapters
+    assert "this config (micro-batch 1, ac.ratio 1): 59.9 GiB per GPU predicted — fits" in out
+    assert "checkpoints: 2.4 GiB each" in out  # the adapters' fp32 weights and Adam moments
+    status, out = plan_cli(capsys, "--config", "configs/qwen72b_qlora.yaml", "--gpus", "2", "--gpu-mem", "141",
+                           "lora.base=bfloat16")
+    assert status == 0 and "this config (micro-batch 1, ac.ratio 1): 92.0 GiB per GPU predicted — fits" in out
+    status, out = plan_cli(capsys, "--config", "configs/qwen72b_qlora.yaml", "--gpus", "1", "--gpu-mem", "80",
+                           "lora.rank=0")
+    assert status == 1 and "nothing fits 80 GiB per GPU on 1 GPUs" in out
+
+
+@pytest.mark.slow  # a Python of its own: this one has imported the GPU side of the trainer
+def test_the_planner_imports_nothing_of_the_trainer_s_gpu_side():
+    """`python -m sft.plan` runs on login nodes: of the trainer it imports the rules (the config, the
+    mesh, the table of checkpointing modes, the model's shapes), never FSDP's wrapping, float8,
+    the checkpoint machinery or the training loop's parts. (transformers itself imports torch's
+    FSDP, and torchao where it is installed, as soon as it builds any model.)"""
+    import ast
+    import subprocess
+    import sys
+
+    code = ("import sys; from sft.plan import main; main(['--config', 'configs/qwen72b.yaml', '--gpus', '64']); "
+            "print(sorted(m for m in sys.modules if m.startswith('sft.')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(proc.stdout.splitlines()[-1]))
+    assert "sft.parallel.activation_checkpointing" in loaded and "sft.parallel.mesh" in loaded
+    gpu_side = {"sft.parallel.fsdp", "sft.parallel.parallelize", "sft.models.float8", "sft.models.weights",
+                "sft.checkpoint.manager", "sft.checkpoint.commit", "sft.checkpoint.staging", "sft.training.metrics",
+                "sft.training.evaluate", "sft.data.batches", "sft.data.prepare"}
+    assert not loaded & gpu_side, loaded & gpu_side

@@ -343,7 +343,7 @@ ROOM_CASES = {
 @pytest.mark.parametrize("case", list(ROOM_CASES))
 def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(tmp_path, monkeypatch, capsys, case):
     """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
-    from sft.checkpoint.layout import CHECKPOINT_BYTES_PER_PARAMETER
+    from sft.training.optim import STATE_BYTES
     from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed
@@ -361,7 +361,7 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     env = init_distributed()  # a world of one in this process
     try:
         ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), env)
-        size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+        size = STATE_BYTES.checkpoint * sum(p.numel() for p in model.parameters())
         resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
         real = shutil.disk_usage(tmp_path)
         for free, warned in ((more * size, False), (more * size - 1, True)):

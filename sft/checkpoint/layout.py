@@ -40,8 +40,18 @@ import yaml
 
 from sft.errors import UserError
 
-# A checkpoint holds the fp32 master weights and both Adam moments.
-CHECKPOINT_BYTES_PER_PARAMETER = 12
+# The names of a checkpoint's files besides DCP's (the layout above); the manager writes them,
+# export and the checks below read them.
+TRAIN_STATE = "train_state.json"
+SCHEDULER = "scheduler.pt"
+CONFIG = "config.yaml"
+HF_FILES = "hf"
+LATEST = "latest"
+DIGESTS = "digests.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
 
 
 def read_train_state(path: Path) -> dict:
@@ -53,10 +63,10 @@ def read_train_state(path: Path) -> dict:
 
 # Files of a checkpoint besides DCP's, each with a reader that fails if the file is damaged.
 _FILES = {
-    "train_state.json": read_train_state,
-    "scheduler.pt": lambda path: torch.load(path, weights_only=False),
-    "config.yaml": lambda path: yaml.safe_load(path.read_text())["model"],
-    "hf/config.json": lambda path: json.loads(path.read_text())["model_type"],
+    TRAIN_STATE: read_train_state,
+    SCHEDULER: lambda path: torch.load(path, weights_only=False),
+    CONFIG: lambda path: yaml.safe_load(path.read_text())["model"],
+    f"{HF_FILES}/config.json": lambda path: json.loads(path.read_text())["model_type"],
 }
 
 
@@ -73,8 +83,6 @@ def committed_checkpoints(root: Path) -> list[Path]:
     found = [p for p in root.glob("step-*") if p.is_dir() and p.name.removeprefix("step-").isdigit()]
     return sorted(found, key=step_of, reverse=True)
 
-
-DIGESTS = "digests.json"
 
 
 def digest(path: Path) -> str:
@@ -101,7 +109,7 @@ def content_problem(path: Path, rank: int = 0, world_size: int = 1) -> str | Non
     reading = DIGESTS
     try:
         if not (path / DIGESTS).is_file():
-            reading = "train_state.json"
+            reading = TRAIN_STATE
             state = path / reading
             return f"missing {DIGESTS}" if state.is_file() and json.loads(state.read_text()).get("digests") else None
         digests = json.loads((path / DIGESTS).read_text())
@@ -146,12 +154,12 @@ def _structure_problem(path: Path, files: tuple[str, ...]) -> str | None:
             _FILES[name](path / name)
         except Exception as e:  # empty, truncated or garbage: what a crash before fsync leaves
             return f"unreadable {name} ({type(e).__name__})"
-    if "train_state.json" in files:  # every rank of the saving run wrote its RNG state
-        ranks = read_train_state(path / "train_state.json")["world_size"]
-        missing = [f"rng-rank{r}.pt" for r in range(ranks) if not (path / f"rng-rank{r}.pt").is_file()]
+    if TRAIN_STATE in files:  # every rank of the saving run wrote its RNG state
+        ranks = read_train_state(path / TRAIN_STATE)["world_size"]
+        missing = [rng_file(r) for r in range(ranks) if not (path / rng_file(r)).is_file()]
         if missing:
             return f"missing {', '.join(missing)}"
-    for rng in path.glob("rng-rank*.pt"):
+    for rng in path.glob(rng_file("*")):
         try:
             torch.load(rng, weights_only=False)
         except Exception as e:

@@ -21,18 +21,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import atomic
 from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
-from sft.checkpoint.layout import (CHECKPOINT_BYTES_PER_PARAMETER, CheckpointError, checkpoint_problem,
-                                   committed_checkpoints, content_problem, read_train_state, step_of)
+from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
+                                   checkpoint_problem, committed_checkpoints, content_problem, read_train_state,
+                                   rng_file, step_of)
 from sft.checkpoint.staging import HostStaging, local, tensors_of
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
+from sft.models.lora import trained_state
 from sft.models.weights import initial_weights, load_weights
+from sft.training.optim import STATE_BYTES
 
 
 def _unusable(resume: str, problem: str, shared: bool = False) -> CheckpointError:
@@ -82,7 +85,7 @@ class Checkpointer:
         self._pending: tuple[AllRanksCommit, Future | None, BaseException | None] | None = None
         # Asynchronous saves: a gloo group and a writer thread of their own, so the background
         # collectives do not interleave with the training loop's. Made now, at start-up (a collective):
-        # making a group needs the launcher's store, which a stop-save must not (sft/preemption.py).
+        # making a group needs the launcher's store, which a stop-save must not (sft/training/preemption.py).
         # The thread works on this rank's GPU (pinning from another device's context would start a
         # CUDA context there).
         self._group: dist.ProcessGroup | None = None
@@ -143,7 +146,8 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if not c.enabled:
             return
-        size = CHECKPOINT_BYTES_PER_PARAMETER * sum(p.numel() for p in model.parameters())
+        size = STATE_BYTES.checkpoint * sum(p.numel() for p in model.parameters()
+                                            if p.requires_grad or not self.cfg.lora.enabled)
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
         more = max(1, min(c.most_on_disk, saves) - len(committed_checkpoints(self.root)))
@@ -157,51 +161,69 @@ class Checkpointer:
                  "set train.output_dir to a larger filesystem")
 
     def restore(self, resume_from: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[dict, str]:
+                scheduler: torch.optim.lr_scheduler.LRScheduler, global_batch: int) -> tuple[dict, str]:
         """Collective: fill the materialised model (and, when resuming, the optimizer and scheduler)
-        from the one source that applies; return the train state and what was loaded, for the log."""
-        prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
-        prepared_ready = False
-        if resume_from is None and prepared is not None:
-            prepared_ready = decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None
+        from the sources that apply; return the train state and what was loaded, for the log.
+        Resuming under another global batch (`global_batch`: this run's) is allowed, with a warning.
+        A full fine-tuning checkpoint holds the whole model; a LoRA run's holds only what trains,
+        over a base read again from its own source."""
         fresh = {"step": 0, "tokens_seen": 0}
-        if resume_from is not None:
-            state = self._load(resume_from, model, optimizer, scheduler)
-            return state, f"resumed from {resume_from} (step {state['step']}, saved by {state['world_size']} ranks)"
-        elif prepared_ready:
+        loaded = None if resume_from is not None and not self.cfg.lora.enabled else self._model_weights(model)
+        if resume_from is None:
+            return fresh, loaded
+        state = self._load(resume_from, model, optimizer, scheduler)
+        if state.get("global_batch", global_batch) != global_batch:
+            log0(f"warning: global batch {global_batch} != {state['global_batch']} of the checkpoint; the data "
+                 "order from here differs from the original run's")
+        resumed = f"resumed from {resume_from} (step {state['step']}, saved by {state['world_size']} ranks)"
+        return state, resumed if loaded is None else f"{loaded}; {resumed}"
+
+    def _model_weights(self, model: nn.Module) -> str:
+        """Collective: the model's own weights, from the prepared-model cache, the Hugging Face files
+        or random init (writing the cache where it is asked for and missing); what was loaded."""
+        prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
+        if prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None:
             state = {"model": get_model_state_dict(model)}
             dcp.load(state, checkpoint_id=prepared)
             set_model_state_dict(model, state["model"])
-            return fresh, f"loaded the prepared-model cache {prepared}"
-        else:
-            load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
-            source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
-            if prepared is None:
-                return fresh, f"loaded weights from {source}"
-            with AllRanksCommit(prepared, self.env) as tmp:
-                dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
-            return fresh, f"loaded weights from {source}; wrote the prepared-model cache {prepared}"
+            return f"loaded the prepared-model cache {prepared}"
+        load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
+        source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
+        if prepared is None:
+            return f"loaded weights from {source}"
+        with AllRanksCommit(prepared, self.env) as tmp:
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
+        return f"loaded weights from {source}; wrote the prepared-model cache {prepared}"
+
+    def _training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """What a checkpoint holds of the model and optimizer: all of it, or with LoRA what trains
+        (the frozen base is read again from its source)."""
+        weights = get_model_state_dict(model)
+        if self.cfg.lora.enabled:
+            weights = trained_state(weights, model)
+        return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
     def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
               scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        state = self._training_state(model, optimizer)
         wrong = decided_on_rank0(lambda: _shape_mismatches(path, state))
         if wrong:
             raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
                                   f"{wrong[0]}); resume with the model it was trained from, or set "
                                   "checkpoint.resume=none")
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self.cfg.lora.enabled))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        rng = path / f"rng-rank{self.env.rank}.pt"
+        scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=False))
+        rng = path / rng_file(self.env.rank)
         if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
             _set_rng_state(torch.load(rng, weights_only=False))
-        return read_train_state(path / "train_state.json")
+        return read_train_state(path / TRAIN_STATE)
 
     def save(self, step: int, model: PreTrainedModel, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, blocking: bool = True) -> Path:
-        """Collective: write checkpoints/step-<step> and commit it; return its path.
+             scheduler: torch.optim.lr_scheduler.LRScheduler, train_state: dict, blocking: bool = True) -> Path | None:
+        """Collective: write checkpoints/step-<step> and commit it; return its path (None with
+        checkpoint.enabled=false: nothing is written).
 
         With `blocking=False` and checkpoint.async_save, training waits only while the sharded
         state is copied to host memory; the files are written in the background, and the commit
@@ -210,6 +232,8 @@ class Checkpointer:
         the model's config.json and the tokenizer, so the checkpoint exports without the original
         model directory.
         """
+        if not self.cfg.checkpoint.enabled:
+            return None
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight: the previous one is committed first
         waited = time.perf_counter() - t0
@@ -220,7 +244,7 @@ class Checkpointer:
         final = self.root / f"step-{step}"
         commit = AllRanksCommit(final, self.env, checkpoints=self.root)
         tmp = commit.begin()
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        state = self._training_state(model, optimizer)
         in_background = not blocking and self.cfg.checkpoint.async_save
         background: Future | None = None
         error: BaseException | None = None
@@ -231,14 +255,13 @@ class Checkpointer:
                 background = self._async_save(state, tmp)
             else:
                 digests = write_shards(state, tmp, None, self.env.rank, self.env.world_size)
-            torch.save(_rng_state(), tmp / f"rng-rank{self.env.rank}.pt")
+            torch.save(_rng_state(), tmp / rng_file(self.env.rank))
             if self.env.is_main:
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-                (tmp / "config.yaml").write_text(to_yaml(self.cfg))
-                (tmp / "train_state.json").write_text(json.dumps({"step": step, **train_state, "digests": True},
-                                                                 indent=2))
-                model.config.save_pretrained(tmp / "hf")
-                self.tokenizer.save_pretrained(tmp / "hf")
+                torch.save(scheduler.state_dict(), tmp / SCHEDULER)
+                (tmp / CONFIG).write_text(to_yaml(self.cfg))
+                (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "digests": True}, indent=2))
+                model.config.save_pretrained(tmp / HF_FILES)
+                self.tokenizer.save_pretrained(tmp / HF_FILES)
         except SAVE_FAILURES as e:  # every rank learns of it in finish(), which raises the one clear error
             error = e
         if in_background:
@@ -246,6 +269,8 @@ class Checkpointer:
             self._pending = (commit, background, error)
         else:
             self._commit(commit, error, digests)
+        log0(f"saved {final} in {time.perf_counter() - t0:.1f} s" + (" (training blocked; writing on)" if in_background
+                                                                     else ""))
         return final
 
     def prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
@@ -253,7 +278,7 @@ class Checkpointer:
         asynchronous saves, make and pin the host buffers on the writer thread while training goes
         on, so that the first save, too, only copies."""
         if self.cfg.checkpoint.stages_in_host_memory:
-            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            state = self._training_state(model, optimizer)
             staged = sum(local(tensor).nbytes for tensor in tensors_of(state)) / 2**30
             log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
                  "(rank 0's share; pinned where the state is on the GPU)")
@@ -318,7 +343,7 @@ class Checkpointer:
 
         def publish() -> None:
             try:
-                atomic.write_file(self.root / "latest", final.name + "\n")
+                atomic.write_file(self.root / LATEST, final.name + "\n")
                 for old in [p for p in committed_checkpoints(self.root) if p != final][self.cfg.checkpoint.keep_last - 1:]:
                     shutil.rmtree(old)
                 for leftover in [*self.root.glob("step-*.tmp"), *self.root.glob("step-*.old")]:

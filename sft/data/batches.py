@@ -38,25 +38,22 @@ def _epoch_order(num_samples: int, seed: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class StepSampler:
-    """Which samples each rank trains on at each optimizer step: a pure function of the step.
+    """Which samples each data-parallel rank trains on at each optimizer step: a pure function of the step.
 
-    Each epoch is a seeded permutation of the training set cut into global batches of
-    micro_batch_size x grad_accum_steps x world_size samples (the incomplete tail is dropped);
-    rank r takes its contiguous share and splits it into grad_accum_steps micro-batches. Because
-    the order depends only on (seed, step, global batch), resuming needs only the step number,
-    and a resumed run on another number of ranks with the same global batch sees the same samples.
+    Each epoch is a seeded permutation of the training set cut into global batches (the incomplete
+    tail is dropped; sft/parallel/mesh.py:ParallelDims.global_batch says how large); data-parallel
+    rank r takes its contiguous share of micro_batch_size x grad_accum_steps samples and splits it
+    into grad_accum_steps micro-batches. Because the order depends only on (seed, step, global
+    batch), resuming needs only the step number, and a resumed run on another number of ranks with
+    the same global batch sees the same samples.
     """
 
     num_samples: int
     micro_batch_size: int
     grad_accum_steps: int
+    global_batch: int
     rank: int
-    world_size: int
     seed: int
-
-    @property
-    def global_batch(self) -> int:
-        return self.micro_batch_size * self.grad_accum_steps * self.world_size
 
     @property
     def steps_per_epoch(self) -> int:
@@ -102,10 +99,10 @@ class TrainBatches:
     packed rows (best-fit decreasing over the training set) instead of single samples."""
 
     def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig, micro_batch_size: int,
-                 grad_accum_steps: int, rank: int, world_size: int, seed: int):
+                 grad_accum_steps: int, global_batch: int, rank: int, seed: int):
         self.packed_rows = pack_best_fit(dataset["length"], cfg.max_seq_len) if cfg.packing else None
         self.sampler = StepSampler(len(self.packed_rows) if self.packed_rows else len(dataset), micro_batch_size,
-                                   grad_accum_steps, rank, world_size, seed)
+                                   grad_accum_steps, global_batch, rank, seed)
         if self.sampler.steps_per_epoch == 0:
             raise ConfigError(f"{self.sampler.num_samples} training {'rows' if self.packed_rows else 'samples'} < "
                               f"one global batch of {self.sampler.global_batch}; lower train.micro_batch_size or "

@@ -5,7 +5,7 @@ positions, never to the pads after it, and pads carry IGNORE_INDEX labels. Leavi
 keeps SDPA on its fused causal kernel. `position_ids` are always returned, so a packing collate
 (several documents per row, positions restarting per document) fits the same interface.
 `real_tokens` marks what is not padding (the pad id may also be a real token, e.g. EOS): the
-load-balancing loss of MoE models counts real tokens only (sft/moe.py).
+load-balancing loss of MoE models counts real tokens only (sft/models/moe.py).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     if report.truncated:
         log0(f"data: data.max_seq_len={cfg.max_seq_len} cut {report.truncated}/{kept} {split_name} samples")
     if report.expanded:
-        log0(f"data: {split_name}: {expansion(report, sum(columns['length']))} (README: How masking works; "
+        log0(f"data: {split_name}: {expansion(report, sum(columns['length']))} (docs/data.md: How masking works; "
              "data.train_on=last_assistant trains only each last turn, without expansion)")
     if report.reasoning_turns:
         log0(f"data: {split_name}: {reasoning(report)}")

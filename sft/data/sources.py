@@ -115,4 +115,4 @@ def detect_format(columns: list[str], source: str) -> str:
     bare = "; each line looks like a bare list of messages: write {\"messages\": [...]}" if {"role", "content"} <= set(
         columns) else ""
     raise DataError(f"{source}: no 'messages', 'conversations', 'prompt'+'completion' or 'input_ids'+'labels' column "
-                    f"(found: {', '.join(columns)}){bare}; see README 'Data formats'")
+                    f"(found: {', '.join(columns)}){bare}; see docs/data.md")

@@ -1,11 +1,12 @@
-"""Mixture-of-Experts blocks: routing, dropless experts on grouped GEMMs, the load-balancing loss,
-expert-load statistics and the hub layout of expert weights.
+"""Mixture-of-Experts blocks: routing, dropless experts on grouped GEMMs, the load-balancing loss and
+expert-load statistics. (The hub's per-expert layout of their weights: sft/models/hub.py.)
 
 Supported: the transformers 5 sparse blocks of Qwen3-MoE and Mixtral (softmax top-k router `gate`,
 fused experts `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) and gpt-oss (router
 `router` with a bias and a softmax over the top-k logits; experts transposed [E, H, 2I] / [E, I, H],
-gate/up interleaved, biases, a clamped SwiGLU): `LAYOUTS`. Their forward is replaced (`apply_moe`)
-by one that
+gate/up interleaved, biases, a clamped SwiGLU): `LAYOUTS`. `apply_moe` puts a `SparseMoE` of ours
+in each such block's place: it holds the block's router and experts under their own names (so
+parameter names, checkpoints and hub files are the model's) and computes it:
 
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
 * sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows with
@@ -15,11 +16,14 @@ by one that
   one graph (dynamic in the token count) and no graph break. Where the kernel cannot run (float32
   weights, e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the
   experts with the same sorted rows (a host sync; excluded from compile);
-* adds the load-balancing loss's gradient without returning it (`_AddAuxLossGrad`), and leaves the
-  step's expert loads on the module for the metrics (read by `RouterLoss`).
+* adds the load-balancing loss's gradient without returning it (`_AddAuxLossGrad`), and keeps the
+  step's expert loads for the metrics.
 
-Activation checkpointing must not re-route: the top-k op's outputs are saved by the selective
-checkpoint policy (`ROUTING_OPS`, sft/parallel.py), so recomputation reuses the forward's choice.
+`apply_moe` returns the `MoE` handle the recipe passes to whatever needs the experts: parallelize
+(their FSDP placement; activation checkpointing must not re-route, so the top-k op's outputs are
+saved under every policy: `MoE.routing_ops`, so recomputation reuses the forward's choice), the loss
+(the load-balancing term's per-step scale and per-micro-batch mask) and the metrics (expert loads,
+active parameters).
 
 The load-balancing loss (Switch Transformer, as transformers computes it for these models) of one
 layer over a set of tokens is  E * sum_e f_e * P_e,  f_e = (top-k slots routed to e) / tokens and
@@ -41,7 +45,6 @@ micro-batch's counts before the first backward: a second forward, not done.
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
@@ -55,10 +58,6 @@ from sft.errors import UserError
 
 class MoEError(UserError):
     """A mixture-of-experts model that cannot be trained as it is; the message names the fix."""
-
-
-# The op whose outputs are the routing decision: saved, never recomputed, under checkpointing.
-ROUTING_OPS = frozenset((torch.ops.aten.topk.default,))
 
 
 def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -97,32 +96,15 @@ LAYOUTS = {
 }
 
 
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse MoE modules of `model` (empty for a dense model); one clear error for an
-    architecture whose experts this module does not know (e.g. shared experts: Qwen2-MoE)."""
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the sparse MoE modules of `model` (none for a dense model); one clear error
+    for an architecture whose experts this module does not know (e.g. shared experts: Qwen2-MoE)."""
     sparse = _sparse_modules(model)
     model_type = model.config.get_text_config().model_type
     if sparse and model_type not in LAYOUTS:
         raise MoEError(f"{type(model).__name__} (model_type {model_type}): mixture-of-experts blocks of this "
                        f"architecture are not supported; supported: {', '.join(sorted(LAYOUTS))}")
-    return [module for _, module in sparse]
-
-
-def _routing(block: nn.Module, x: torch.Tensor, fp32: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(router probabilities [T, E] float32, top-k weights [T, K], top-k expert ids [T, K])."""
-    layout, router = block._sft_layout, getattr(block, block._sft_layout.router)
-    bias = router.bias if layout.biased else None
-    logits = F.linear(x.float(), router.weight.float(), None if bias is None else bias.float()) if fp32 else \
-        F.linear(x, router.weight, bias)
-    probs = logits.softmax(dim=-1, dtype=torch.float32)  # what the load-balancing loss averages
-    if layout.softmax_of_top_k:  # gpt-oss
-        top_logits, top_i = logits.topk(block._sft_top_k, dim=-1)
-        top_w = top_logits.softmax(dim=-1, dtype=torch.float32)
-    else:
-        top_w, top_i = probs.topk(block._sft_top_k, dim=-1)
-        if block._sft_norm_topk:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return probs, top_w.to(x.dtype), top_i
+    return sparse
 
 
 def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> bool:
@@ -202,60 +184,91 @@ class _AddAuxLossGrad(torch.autograd.Function):
         return grad_output, torch.ones((), dtype=ctx.aux_dtype, device=grad_output.device)
 
 
-def _sparse_moe_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    shape = hidden_states.shape
-    x = hidden_states.reshape(-1, shape[-1])
-    probs, top_w, top_i = _routing(self, x, self._sft_router_fp32)
-    out = expert_outputs(self.experts, x, top_w, top_i, self._sft_layout)
-    real = self._sft_real_tokens  # float [T]: 1 real token, 0 padding (set per micro-batch by RouterLoss)
-    if real is not None and torch.is_grad_enabled():
-        num_experts = probs.shape[-1]
-        tokens = real.sum().clamp(min=1)
-        load = torch.zeros(num_experts, dtype=torch.float32, device=x.device).scatter_add_(
-            0, top_i.reshape(-1), real.repeat_interleave(top_i.shape[1]))
-        prob_sum = (probs * real.unsqueeze(-1)).sum(dim=0)
-        # (T_mb / T_step) * coef/L * E * sum_e (load_e / T_mb) * (prob_sum_e / T_mb); scale = coef/(L * T_step)
-        aux = self._sft_aux_scale * num_experts * (load * prob_sum).sum() / tokens
-        out = _AddAuxLossGrad.apply(out, aux)
-        # For the metrics; under compile with checkpointing this side effect is not replayed in
-        # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
-        self._sft_stats = torch.cat([aux.detach().view(1), load])
-    if self._sft_layout.returns_scores:  # gpt-oss's decoder layer unpacks (hidden states, router scores)
-        return out.reshape(shape), top_w
-    return out.reshape(shape)
+class SparseMoE(nn.Module):
+    """One sparse MoE block, computed by us. It holds the Hugging Face block's router and experts,
+    registered under their own names (`gate` or `router`, `experts`), so the model's parameter names
+    are unchanged; their weights are what FSDP gathers. Per micro-batch the `MoE` handle sets
+    `real_tokens` (float [T]: 1 a real token, 0 padding; kept for a checkpointed block's
+    recomputation) and per step `aux_scale`; each forward leaves `stats` (aux term, expert loads)."""
+
+    def __init__(self, block: nn.Module, layout: ExpertLayout, top_k: int, norm_topk: bool, router_fp32: bool):
+        super().__init__()
+        children = {name for name, _ in block.named_children()}
+        if children != {layout.router, "experts"} or any(True for _ in block.parameters(recurse=False)):
+            raise MoEError(f"{type(block).__name__} holds {sorted(children)}: a sparse block of this form (besides its "
+                           f"router '{layout.router}' and experts) is not supported")
+        for name, child in block.named_children():  # in the block's order: the model's parameter order
+            self.add_module(name, child)
+        self.layout, self.top_k, self.norm_topk, self.router_fp32 = layout, top_k, norm_topk, router_fp32
+        self.real_tokens: torch.Tensor | None = None
+        self.aux_scale: torch.Tensor | None = None
+        self.stats: torch.Tensor | None = None
+
+    def _routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router probabilities [T, E] float32, top-k weights [T, K], top-k expert ids [T, K])."""
+        router = self._modules[self.layout.router]  # `gate` or `router` (gpt-oss)
+        bias = router.bias if self.layout.biased else None
+        logits = F.linear(x.float(), router.weight.float(), None if bias is None else bias.float()) if self.router_fp32 \
+            else F.linear(x, router.weight, bias)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)  # what the load-balancing loss averages
+        if self.layout.softmax_of_top_k:  # gpt-oss
+            top_logits, top_i = logits.topk(self.top_k, dim=-1)
+            top_w = top_logits.softmax(dim=-1, dtype=torch.float32)
+        else:
+            top_w, top_i = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk:
+                top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return probs, top_w.to(x.dtype), top_i
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        probs, top_w, top_i = self._routing(x)
+        out = expert_outputs(self.experts, x, top_w, top_i, self.layout)
+        real = self.real_tokens
+        if real is not None and torch.is_grad_enabled():
+            num_experts = probs.shape[-1]
+            tokens = real.sum().clamp(min=1)
+            load = torch.zeros(num_experts, dtype=torch.float32, device=x.device).scatter_add_(
+                0, top_i.reshape(-1), real.repeat_interleave(top_i.shape[1]))
+            prob_sum = (probs * real.unsqueeze(-1)).sum(dim=0)
+            # (T_mb / T_step) * coef/L * E * sum_e (load_e / T_mb) * (prob_sum_e / T_mb); scale = coef/(L * T_step)
+            aux = self.aux_scale * num_experts * (load * prob_sum).sum() / tokens
+            out = _AddAuxLossGrad.apply(out, aux)
+            # For the metrics; under compile with checkpointing this side effect is not replayed in
+            # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
+            self.stats = torch.cat([aux.detach().view(1), load])
+        if self.layout.returns_scores:  # gpt-oss's decoder layer unpacks (hidden states, router scores)
+            return out.reshape(shape), top_w
+        return out.reshape(shape)
 
 
-def apply_moe(model: nn.Module, cfg: MoEConfig) -> RouterLoss | None:
-    """Give the MoE blocks of a (meta-device) model our forward, and the router its switches;
-    returns the model's RouterLoss (also `model.sft_router_loss`), None for a dense model."""
-    blocks = moe_blocks(model)
-    if not blocks:
+def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
+    """Put a SparseMoE in the place of each MoE block of a (meta-device) model and give the routers
+    their switches; return the handle the recipe passes on, None for a dense model."""
+    sparse = _moe_blocks(model)
+    if not sparse:
         return None
     config = model.config.get_text_config()
     if getattr(config, "router_jitter_noise", 0):
         raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
-                         "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
-    for block in blocks:
-        block._sft_layout = LAYOUTS[config.model_type]
-        block._sft_top_k = config.num_experts_per_tok
-        block._sft_norm_topk = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
-        block._sft_router_fp32 = cfg.router_fp32
-        block._sft_real_tokens = None
-        block._sft_stats = None
-        block.forward = types.MethodType(_sparse_moe_forward, block)
-        getattr(block, block._sft_layout.router).requires_grad_(cfg.train_router)
+                       "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
+    active = active_parameters(model)
+    blocks = []
+    for name, block in sparse:
+        layout = LAYOUTS[config.model_type]
+        getattr(block, layout.router).requires_grad_(cfg.train_router)
+        ours = SparseMoE(block, layout, config.num_experts_per_tok,
+                         getattr(config, "norm_topk_prob", True),  # Mixtral always renormalises
+                         cfg.router_fp32)
+        model.set_submodule(name, ours)
+        blocks.append(ours)
     # The block's statistics for the metrics are a forward side effect; compiled checkpointed blocks
     # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     coef = cfg.aux_loss_coef if cfg.aux_loss_coef is not None else getattr(config, "router_aux_loss_coef", 0.0)
-    model.sft_router_loss = RouterLoss(blocks, coef)
-    return model.sft_router_loss
-
-
-def router_loss(model: nn.Module) -> RouterLoss | None:
-    """The RouterLoss `apply_moe` gave the model, None for a dense model."""
-    return getattr(model, "sft_router_loss", None)
+    return MoE(blocks, coef, active)
 
 
 def active_parameters(model: nn.Module) -> int:
@@ -269,27 +282,33 @@ def active_parameters(model: nn.Module) -> int:
     return int(total)
 
 
-def expert_placement(shard_ranks: int):
-    """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when there are at least
-    as many experts as ranks, else on their output rows (Shard(1)), so no rank holds an empty shard."""
-    def placement(param: nn.Parameter) -> Shard | None:
-        if param.dim() == 3 and param.shape[0] < shard_ranks:
-            return Shard(1)
-        return None  # FSDP's default, Shard(0)
-    return placement
+class MoE:
+    """The model's mixture-of-experts blocks, as the rest of the trainer needs them.
 
+    The loss, per step: `begin_step(global real tokens)`; per micro-batch `begin_micro_batch(real-
+    token mask)` before its forward and `end_micro_batch()` after it (before its backward). The
+    metrics all-reduce `step_stats()` once the step is done and log its `summary`, with MFU counted
+    on `active_parameters`. Parallelize shards the experts by `shard_placement` and keeps
+    `routing_ops`' outputs under activation checkpointing."""
 
-class RouterLoss:
-    """Feeds the blocks what the load-balancing loss needs and gathers what they measured.
+    # The op whose outputs are the routing decision: saved, never recomputed, under checkpointing.
+    routing_ops = frozenset((torch.ops.aten.topk.default,))
 
-    Per step: `begin_step(global real tokens)`; per micro-batch `begin_micro_batch(real-token
-    mask)` before its forward and `end_micro_batch()` after it (before its backward); the metrics
-    all-reduce `step_stats()` once the step is done and log its `summary`."""
-
-    def __init__(self, blocks: list[nn.Module], coef: float):
-        self.blocks, self.coef = blocks, coef
+    def __init__(self, blocks: list[SparseMoE], coef: float, active_parameters: int):
+        self.blocks, self.coef, self.active_parameters = blocks, coef, active_parameters
         self._scale: torch.Tensor | None = None
         self._stats: torch.Tensor | None = None  # [layers, 1 + E]: aux term, expert loads
+
+    @staticmethod
+    def shard_placement(shard_ranks: int):
+        """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when there are at
+        least as many experts as ranks, else on their output rows (Shard(1)), so no rank holds an
+        empty shard."""
+        def placement(param: nn.Parameter) -> Shard | None:
+            if param.dim() == 3 and param.shape[0] < shard_ranks:
+                return Shard(1)
+            return None  # FSDP's default, Shard(0)
+        return placement
 
     def begin_step(self, real_tokens: torch.Tensor) -> None:
         self._scale = self.coef / (len(self.blocks) * real_tokens.float().clamp(min=1))
@@ -298,11 +317,11 @@ class RouterLoss:
     def begin_micro_batch(self, real: torch.Tensor) -> None:
         mask = real.reshape(-1).float()
         for block in self.blocks:
-            block._sft_real_tokens, block._sft_aux_scale = mask, self._scale
+            block.real_tokens, block.aux_scale = mask, self._scale
 
     def end_micro_batch(self) -> None:
         # The mask stays on the blocks: a checkpointed block's recomputation in backward needs it too.
-        stats = torch.stack([block._sft_stats for block in self.blocks])
+        stats = torch.stack([block.stats for block in self.blocks])
         self._stats = stats if self._stats is None else self._stats + stats
 
     def step_stats(self) -> torch.Tensor:

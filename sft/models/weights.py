@@ -28,11 +28,13 @@ from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
 from sft.models.build import ModelError, build_meta_model, clean_name
+from sft.models.lora import initial_adapter, is_adapter, is_nf4, quantized
+
 
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
-    def __init__(self, directory: str, model: nn.Module):
+    def __init__(self, directory: str, model: nn.Module, seed: int = 0):
         root = Path(directory)
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
@@ -49,9 +51,10 @@ class SafetensorsWeights:
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
-        # MoE: fused expert parameters are per-expert tensors in the hub files (sft/hub.py)
+        # MoE: fused expert parameters are per-expert tensors in the hub files (sft/models/hub.py)
         self.model_type = model.config.model_type
-        self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+        self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter(n)}
+        self.seed = seed  # for what the files do not hold: LoRA adapters
 
     def _damaged(self, file: str, reason: str) -> ModelError:
         return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
@@ -121,9 +124,16 @@ class RandomWeights:
 
 
 def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, device: torch.device) -> None:
-    """Fill every (sharded) parameter of `model` with its slice; float32 master copies."""
+    """Fill every (sharded) parameter of `model` with its slice, in the parameter's dtype (float32
+    masters; a LoRA run's frozen base in the compute dtype). LoRA adapters, which no model file
+    holds, start from their own initialisation (sft/models/lora.py), seeded like random init."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in list(model.named_parameters()):
+            if is_nf4(param):  # QLoRA: the whole weight read (one at a time) and quantised where it is used
+                module_name, _, attr = name.rpartition(".")
+                full = weights.read(clean_name(name), tuple(slice(None) for _ in param.shape), device)
+                model.get_submodule(module_name).register_parameter(attr, quantized(full))
+                continue
             if isinstance(param, DTensor):
                 # The public chunk description DCP itself uses: where this rank's shard sits.
                 chunk = param.__create_chunk_list__()[0]
@@ -131,8 +141,13 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             else:
                 shape, offset, local = param.shape, (0,) * param.dim(), param
             index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-            # read on the compute device; copy_ casts to float32 and moves to offloaded shards' host memory
-            local.copy_(weights.read(clean_name(name), index, device))
+            name = clean_name(name)
+            # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
+            if is_adapter(name):
+                value = initial_adapter(name, tuple(param.shape), weights.seed, device)[index]
+            else:
+                value = weights.read(name, index, device)
+            local.copy_(value)
 
 
 
@@ -143,7 +158,7 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
         return RandomWeights(cfg, seed)
 
     def opened() -> SafetensorsWeights:
-        weights = SafetensorsWeights(cfg.name_or_path, model)
+        weights = SafetensorsWeights(cfg.name_or_path, model, seed)
         if not dist.is_initialized() or dist.get_rank() == 0:
             weights.check()
         return weights

@@ -1,19 +1,75 @@
 """Activation checkpointing: which decoder blocks keep only part of their activations for backward
-(ac.ratio), and what a checkpointed block keeps (ac.mode): its input only (whole blocks recomputed),
-or the outputs of its expensive ops (op-level, selective checkpointing)."""
+(ac.ratio, `ac_block_indices`), and what a checkpointed block keeps (ac.mode, `AC_MODES`): its input
+only (whole blocks recomputed), or also the outputs of its expensive ops (op-level, selective).
+
+The one table of modes (sft/config/schema.py:AC_MODES, the values ac.mode takes) is read here by the
+policy that checkpoints the blocks (`apply_ac`) and by the planner's costs of each mode
+(`kept_bytes_per_token`, `recompute_fraction`). Nothing here needs a GPU or FSDP: the planner
+imports it on login nodes.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from sft.config import ACConfig
+from sft.config import AC_MODES, ACMode
 from sft.distributed import log0
-from sft.models.moe import ROUTING_OPS, router_loss
+
+if TYPE_CHECKING:
+    from sft.config import ACConfig
+
+
+# A Llama/Qwen block's matmuls in the order they run, and which width each one's output has: how
+# the planner reads a mode's keep_every_matmul (tests/test_distributed.py checks the counts against
+# what a real block keeps and reruns).
+BLOCK_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class BlockShape(Protocol):
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    ffn: int
+    heads: int
+
+
+def _output_width(s: BlockShape, matmul: str) -> int:
+    return {"q": s.q_dim, "k": s.kv_dim, "v": s.kv_dim, "o": s.hidden, "gate": s.ffn, "up": s.ffn, "down": s.hidden}[matmul]
+
+
+def kept_matmuls(mode: str) -> tuple[str, ...]:
+    every = AC_MODES[mode].keep_every_matmul
+    return BLOCK_MATMULS[::every] if every else ()
+
+
+def kept_bytes_per_token(s: BlockShape, compiled: bool, mode: str) -> int:
+    """Bytes per token a block checkpointed in an op-level `mode` keeps until its backward: its
+    input, its kept matmuls' outputs and attention's output and log-sum-exp (float32 per head), all
+    else bf16. Compiled, the partitioner keeps only what backward reads, and backward never reads
+    the down projection's output; eager, selective checkpointing keeps it anyway."""
+    kept = s.hidden + sum(_output_width(s, m) for m in kept_matmuls(mode) if not (compiled and m == "down"))
+    attention = AC_MODES[mode].keep_attention
+    return 2 * (kept + (s.q_dim if attention else 0)) + (4 * s.heads if attention else 0)
+
+
+def recompute_fraction(s: BlockShape, seq_len: int, mode: str) -> float:
+    """What a block checkpointed in `mode` reruns in backward, as a fraction of what a whole
+    checkpointed block reruns, by forward FLOPs per token: the matmuls it does not keep (not down,
+    whose output backward never reads, so recomputation stops before it) and causal attention
+    (2 x seq x q_dim, at max_seq_len: an upper bound for packed or padded rows) unless kept.
+    Measured on 2 x H100, P-7B bf16 (4096 tokens): ops_half 0.45 and attention 0.85 of a whole
+    block, against 0.46 and 0.92 here; at 32k attention is 42% of what a whole block reruns
+    (attention mode 0.58)."""
+    flops = {m: s.hidden * _output_width(s, m) for m in BLOCK_MATMULS if m != "down"}
+    attention = seq_len * s.q_dim  # half of the row per product (causal), two products, per 2 FLOPs
+    rerun = sum(f for m, f in flops.items() if m not in kept_matmuls(mode))
+    rerun += 0 if AC_MODES[mode].keep_attention else attention
+    return rerun / (sum(flops.values()) + attention)
 
 
 def ac_block_indices(num_blocks: int, ratio: float) -> list[int]:
@@ -42,16 +98,16 @@ def _replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
 
 @functools.cache  # built on first use, then asked for every op of every checkpointed forward
 def _expensive_ops() -> tuple[frozenset, frozenset]:
-    """(matmuls, other ops whose outputs op-level checkpointing keeps). Matmuls and attention are
-    the work that dominates a block (at 4k tokens the matmuls are ~90% of a 7B block's FLOPs; at 32k
-    attention is a third); everything else (norms, rotary, SiLU, residual sums, casts) is
+    """(matmuls, attention ops whose outputs op-level checkpointing keeps). Matmuls and attention
+    are the work that dominates a block (at 4k tokens the matmuls are ~90% of a 7B block's FLOPs; at
+    32k attention is a third); everything else (norms, rotary, SiLU, residual sums, casts) is
     memory-bound and cheap to redo. No collective runs inside a block (FSDP's all-gather and
     reduce-scatter are hooks around it), so none is listed (TorchTitan keeps tensor parallelism's)."""
     aten = torch.ops.aten
     matmuls = frozenset((aten.mm.default, aten.addmm.default, aten.bmm.default,
                          aten._scaled_mm.default,  # float8 matmuls (precision.float8)
-                         aten._grouped_mm.default))  # MoE experts (sft/moe.py)
-    others = frozenset((
+                         aten._grouped_mm.default))  # MoE experts (sft/models/moe.py)
+    attention = frozenset((
         # float8's amax of a tensor: a scalar, so keeping it is free and spares a full read of the
         # tensor to recompute the scale of its float8 cast.
         aten.max.default,
@@ -60,59 +116,42 @@ def _expensive_ops() -> tuple[frozenset, frozenset]:
         aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
         torch._higher_order_ops.flex_attention,
-        # MoE routing: recomputation must reuse the forward's choice of experts (sft/moe.py).
-        *ROUTING_OPS,
     ))
-    return matmuls, others
+    return matmuls, attention
 
 
-# ac.mode -> keep every n-th matmul output. ops keeps them all: almost nothing but the cheap ops is
-# recomputed, at ~70% of an unchecked block's activations (Qwen2.5-7B shapes). ops_half keeps the
-# 1st, 3rd, ... (TorchTitan's default): in a Llama/Qwen block (q, k, v, o, gate, up, down) that is
-# q, v, gate and down, and recomputes k, o and up, ~35% of the block's matmul FLOPs, at ~40% of the
-# activations; it is the op-level setting that fits where memory is tight (sft/plan.py sizes both).
-# attention keeps no matmul (0): only attention's output, which at 32k tokens is a third of a block's
-# forward FLOPs, for one bf16 vector per token.
-OPS_KEEP_EVERY = {"ops": 1, "ops_half": 2, "attention": 0}
-
-
-def _op_level_context(every: int) -> tuple:
+def _selective_context(mode: ACMode, always_kept: frozenset) -> tuple:
     """Fresh selective-checkpoint contexts for one checkpointed forward (checkpoint asks for them on
     each call): the policy counts the matmuls of the forward and of its recomputation apart, so both
-    make the same choices."""
-    matmuls, others = _expensive_ops()
+    make the same choices. `always_kept`: ops whose outputs are kept in every mode (MoE routing)."""
+    matmuls, attention = _expensive_ops()
     seen = {False: 0, True: 0}
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func in matmuls:
+        if func in matmuls and mode.keep_every_matmul is not None:
             seen[ctx.is_recompute] += 1
-            keep = every > 0 and (seen[ctx.is_recompute] - 1) % every == 0
+            keep = mode.keep_every_matmul > 0 and (seen[ctx.is_recompute] - 1) % mode.keep_every_matmul == 0
         else:
-            keep = func in others
+            keep = func in always_kept or (mode.keep_attention and func in attention)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
 
-def _routing_kept_context() -> tuple:
-    """Whole-block checkpointing of an MoE block: everything is recomputed but the routing decision."""
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if func in ROUTING_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig) -> list[nn.Module]:
+def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kept: frozenset = frozenset()
+             ) -> list[nn.Module]:
     """Wrap the blocks ac.ratio picks in non-reentrant activation checkpointing (ac.mode: the whole
-    block recomputed, or only its cheap ops); returns the new block list."""
+    block recomputed, or only its cheap ops); returns the new block list. `always_kept`: ops whose
+    outputs are never recomputed (MoE routing: recomputation must reuse the forward's choice)."""
+    # Imported here: torch's checkpoint wrapper imports FSDP, which the planner does not need.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
     chosen = set(ac_block_indices(len(blocks), ac.ratio))
-    # Op-level: the selective-checkpoint contexts tell autograd (or, compiled, the partitioner) which
-    # op outputs to keep.
+    mode = AC_MODES[ac.mode]
+    # Selective: the contexts tell autograd (or, compiled, the partitioner) which op outputs to keep.
     options = {}
-    if ac.mode in OPS_KEEP_EVERY:
-        options["context_fn"] = functools.partial(_op_level_context, OPS_KEEP_EVERY[ac.mode])
-    elif router_loss(model):
-        options["context_fn"] = _routing_kept_context
+    if mode.keep_every_matmul is not None or always_kept:
+        options["context_fn"] = functools.partial(_selective_context, mode, always_kept)
     wrapped = []
     for i, block in enumerate(blocks):
         if i in chosen:

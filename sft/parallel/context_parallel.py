@@ -1,14 +1,14 @@
 """Context parallelism: the tokens of one row split over the `cp.degree` ranks of a cp group, so a
 row longer than one GPU's activations (64k-128k tokens of a reasoning trace) still trains.
 
-Layout. Ranks are grouped in consecutive runs of cp.degree (rank = dp_rank * degree + cp_rank),
-so a cp group sits inside a node. Every rank of a group reads the same rows (the data sampler sees
+Layout. The mesh's `cp` axis (sft/parallel/mesh.py): consecutive runs of cp.degree ranks, so a
+cp group sits inside a node. Every rank of a group reads the same rows (the data sampler sees
 world / degree data-parallel ranks) and keeps its share of each: the row is cut into 2 * degree
 chunks and cp rank r keeps chunks r and 2 * degree - 1 - r (head-tail), so every rank gets the
 same amount of causal attention work. Positions, document boundaries and the shifted targets are
 computed on the whole row before the split: hidden state t predicts label t + 1 even where t and
 t + 1 land on different ranks, and a document's last token never predicts the next document's
-first (its label is already ignored, sft/collate.py).
+first (its label is already ignored, sft/data/collate.py).
 
 Attention. Each rank computes Q, K, V for its own tokens; K and V (small under GQA: 1/7 of the
 hidden size on Qwen2.5-7B) are all-gathered over the cp group, and the rank's queries attend to
@@ -20,7 +20,7 @@ future) cost nothing. On CPU (tests) the same mask is a dense boolean tensor for
 attention has no CPU backward.
 
 Loss. Each rank sums the cross-entropy of its own supervised tokens and divides by the global
-count (sft/loss.py): every token is counted on exactly one rank, FSDP sums the gradients over all
+count (sft/training/loss.py): every token is counted on exactly one rank, FSDP sums the gradients over all
 ranks (it shards over dp x cp), and the K/V gather's backward returns each rank the gradient of its
 keys and values from every query of the row. Nothing is counted twice.
 
@@ -30,19 +30,17 @@ Checkpoints are FSDP shards over all ranks whatever the degree, so a run resumes
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
-from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
 
 from sft.config import ConfigError
-from sft.distributed import DistEnv, log0
 from sft.data.masking import IGNORE_INDEX
-from sft.models.moe import expert_shape
+from sft.distributed import log0
+from sft.parallel.mesh import ParallelDims
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -50,53 +48,29 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or fu
 CP_ATTENTION = "sft_context_parallel"
 
 
-@dataclass(frozen=True)
-class ContextParallel:
-    """This rank's place in the data-parallel x context-parallel layout; degree 1 is plain data
-    parallelism (no group, rows are not split)."""
-    degree: int = 1
-    rank: int = 0  # in its cp group
-    dp_rank: int = 0
-    dp_size: int = 1
-    group_name: str | None = None  # the cp group's process group
+def _chunks(degree: int, cp_rank: int, chunk: int) -> torch.Tensor:
+    """Whole-row indices of the tokens cp rank `cp_rank` keeps (head-tail chunks)."""
+    tail = 2 * degree - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)])
 
-    @classmethod
-    def build(cls, degree: int, env: DistEnv) -> ContextParallel:
-        """Collective when degree > 1 (creates the cp groups)."""
-        if env.world_size % degree:
-            raise ConfigError(f"cp.degree={degree}: must divide the {env.world_size} ranks "
-                              f"(e.g. cp.degree={next(d for d in (4, 2, 1) if env.world_size % d == 0)})")
-        group_name = None
-        if degree > 1:
-            # A mesh of its own next to FSDP's: FSDP shards over all ranks (dp x cp), which is the
-            # flat mesh it already has, so only the cp groups are new.
-            mesh = init_device_mesh(env.device.type, (env.world_size // degree, degree), mesh_dim_names=("dp", "cp"))
-            group_name = mesh["cp"].get_group().group_name
-        return cls(degree, env.rank % degree, env.rank // degree, env.world_size // degree, group_name)
 
-    def _chunks(self, cp_rank: int, chunk: int) -> torch.Tensor:
-        """Whole-row indices of the tokens cp rank `cp_rank` keeps (head-tail chunks)."""
-        tail = 2 * self.degree - 1 - cp_rank
-        return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                          torch.arange(tail * chunk, (tail + 1) * chunk)])
-
-    def shard_rows(self, rows: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """(this rank's share of {input_ids, position_ids, targets} [rows x length], the layout
-        `attention_mask` needs). Rows are padded at the end to a multiple of 2 * degree; the padding
-        continues the last document's positions and is never a target, so it changes nothing."""
-        length = rows["input_ids"].shape[1]
-        padded = -(-length // (2 * self.degree)) * 2 * self.degree
-        extra = padded - length
-        position_ids = rows["position_ids"]
-        position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1 + torch.arange(extra)], dim=1)
-        whole = {"input_ids": F.pad(rows["input_ids"], (0, extra)),  # any id: never a target, never attended to
-                 "position_ids": position_ids, "targets": F.pad(rows["targets"], (0, extra), value=IGNORE_INDEX)}
-        document = (position_ids == 0).cumsum(dim=1)  # positions restart at 0 with every packed document
-        chunk = padded // (2 * self.degree)
-        mine = self._chunks(self.rank, chunk)
-        keys = torch.cat([self._chunks(r, chunk) for r in range(self.degree)])  # the all-gather's order
-        return ({k: v[:, mine] for k, v in whole.items()},
-                {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]})
+def shard_rows(rows: dict[str, torch.Tensor], dims: ParallelDims) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(this rank's share of {input_ids, position_ids, targets} [rows x length], the layout
+    `attention_mask` needs). Rows are padded at the end to a multiple of 2 * cp; the padding
+    continues the last document's positions and is never a target, so it changes nothing."""
+    length = rows["input_ids"].shape[1]
+    padded = -(-length // (2 * dims.cp)) * 2 * dims.cp
+    extra = padded - length
+    position_ids = rows["position_ids"]
+    position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1 + torch.arange(extra)], dim=1)
+    whole = {"input_ids": F.pad(rows["input_ids"], (0, extra)),  # any id: never a target, never attended to
+             "position_ids": position_ids, "targets": F.pad(rows["targets"], (0, extra), value=IGNORE_INDEX)}
+    document = (position_ids == 0).cumsum(dim=1)  # positions restart at 0 with every packed document
+    chunk = padded // (2 * dims.cp)
+    mine = _chunks(dims.cp, dims.cp_rank, chunk)
+    keys = torch.cat([_chunks(dims.cp, r, chunk) for r in range(dims.cp)])  # the all-gather's order
+    return ({k: v[:, mine] for k, v in whole.items()},
+            {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]})
 
 
 def visible_keys(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
@@ -148,11 +122,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def unsupported(model: PreTrainedModel) -> str | None:
-    """Why context parallelism cannot split this model's rows, or None. The one rule: train.py
-    refuses these, and the planner never suggests a cp.degree for them."""
+def unsupported(model: PreTrainedModel, moe: bool) -> str | None:
+    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
+    model). The one rule: parallelize refuses these, and the planner never suggests a cp.degree
+    for them."""
     config = model.config.get_text_config()
-    if expert_shape(model):  # the load-balancing statistics count whole rows (sft/moe.py)
+    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
         return "mixture-of-experts models are not supported yet"
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)
@@ -163,13 +138,13 @@ def unsupported(model: PreTrainedModel) -> str | None:
     return None
 
 
-def apply_context_parallel(model: PreTrainedModel, cp: ContextParallel) -> None:
-    """Route the model's attention through `_attention` over `cp`'s group (before anything wraps
-    or compiles the blocks). transformers then builds no mask of its own: `_sft_loss` passes
+def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: bool) -> None:
+    """Route the model's attention through `_attention` over the mesh's cp group (before anything
+    wraps or compiles the blocks). transformers then builds no mask of its own: `sft_loss` passes
     `cp_mask` down to every attention call."""
-    reason = unsupported(model)
+    reason = unsupported(model, moe)
     if reason:
-        raise ConfigError(f"cp.degree={cp.degree}: {reason}; use cp.degree=1")
-    AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=cp.group_name))
+        raise ConfigError(f"cp.degree={dims.cp}: {reason}; use cp.degree=1")
+    AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=dims.cp_group_name))
     model.config._attn_implementation = CP_ATTENTION
-    log0(f"applied context parallelism: each row split over {cp.degree} ranks (head-tail), K/V all-gathered")
+    log0(f"applied context parallelism: each row split over {dims.cp} ranks (head-tail), K/V all-gathered")

@@ -3,15 +3,17 @@ already divided by the global token count), from the compute stream's memory poo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sft.config import DTYPES, ConfigError, FSDPConfig
+from sft.config import DTYPES, FSDPConfig
 from sft.distributed import log0
-from sft.models.moe import expert_placement, router_loss
+from sft.models.lora import nf4_parameters
+from sft.parallel.mesh import ParallelDims
 
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single; 2.11 has only the former.
@@ -50,25 +52,28 @@ class GradientsInComputePool:
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg: FSDPConfig) -> None:
-    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head).
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
+               shard_placement_fn: Callable | None = None) -> None:
+    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head), over
+    the mesh's shard ranks (and replicas). `shard_placement_fn`: how parameters are split (MoE
+    experts; sft/models/moe.py), dim 0 for the rest. QLoRA's NF4 weights stay whole on every rank
+    (sft/models/lora.py).
 
     Tied input/output embeddings are one parameter and both live in the root unit. The gradient
     divide factor is 1 on every unit: the loss is already divided by the global count of
-    supervised tokens (sft/loss.py), so FSDP must sum, not average, over ranks.
+    supervised tokens (sft/training/loss.py), so FSDP must sum, not average, over ranks.
     """
-    options = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
-                                                             reduce_dtype=DTYPES[cfg.reduce_dtype]),
-                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
-    if router_loss(model):  # MoE: expert weights sharded over experts, or rows
-        options["shard_placement_fn"] = expert_placement(mesh.shape[-1])
+    options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
+                                                                       reduce_dtype=DTYPES[cfg.reduce_dtype]),
+                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+                   shard_placement_fn=shard_placement_fn, ignored_params=nf4_parameters(model))
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first thing in backward: keep them.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
     # None lets FSDP keep the root unsharded between forward and backward (an explicit True
     # would free and re-gather the embeddings and lm_head every step).
     fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
-    reduce_scatter = GradientsInComputePool() if cfg.replicate_degree == 1 else None  # stateless: one for all units
+    reduce_scatter = None if dims.replicated else GradientsInComputePool()  # stateless: one for all units
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -76,15 +81,5 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, cfg:
             module.set_force_sum_reduction_for_comms(True)
             if reduce_scatter is not None:
                 module.set_custom_reduce_scatter(reduce_scatter)
-    log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(mesh.shape)}, "
+    log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(dims.fsdp_mesh.shape)}, "
          f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
-
-
-def build_mesh(device_type: str, world_size: int, replicate_degree: int) -> DeviceMesh:
-    """1-D mesh for FSDP, or (replicate, shard) for HSDP."""
-    if world_size % replicate_degree:
-        raise ConfigError(f"fsdp.replicate_degree={replicate_degree} does not divide the {world_size} ranks")
-    if replicate_degree == 1:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
-                            mesh_dim_names=("replicate", "shard"))

@@ -1,25 +1,28 @@
-"""How the ranks are laid out: one named device mesh for every axis, built once.
+"""How the ranks are laid out: one module builds every device mesh, from one world mesh.
 
     world = dp_replicate x dp_shard x cp                    (rank-major in that order)
 
 * `dp_replicate` (fsdp.replicate_degree): HSDP's replicas; each holds the whole model, sharded over
   its own ranks (e.g. one replica per node, so all-gathers stay inside a node).
 * `dp_shard` x `cp`: the ranks of one replica. FSDP shards the model over all of them (the
-  flattened axis `dp_shard_cp`): context parallelism splits rows, not weights.
+  `dp_shard_cp` axis of `fsdp_mesh`): context parallelism splits rows, not weights.
 * `cp` (cp.degree): the ranks that split each row's tokens, consecutive, so a cp group sits inside
-  a node.
-* data parallelism: the ranks that read different rows, `dp_replicate` x `dp_shard` (flattened
-  `dp`); the ranks of a cp group read the same rows.
+  a node (`cp_mesh`).
+* data parallelism: the ranks that read different rows, dp_replicate x dp_shard (`dp_rank`,
+  `dp_size`); the ranks of a cp group read the same rows.
 
 Every other module asks this one for what it needs: FSDP for its mesh, context parallelism for its
 group, the data sampler, evaluation and the metrics for the data-parallel rank and size, the planner
 and the checkpoints for the global batch and the shard ranks. "Off" is one property each
-(`cp_enabled`, `replicated`). The layout is the one checkpoints have always been written in (FSDP
-shards over the same ranks in the same order), and they resume under any other layout.
+(`cp_enabled`, `replicated`). The views are unflattened from the world mesh (TorchTitan's way), so
+each axis is a group of its own and nothing is sliced out of a flattened one. The layout is the one
+checkpoints have always been written in (FSDP shards over the same ranks in the same order), and
+they resume under any other layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,7 +43,10 @@ class ParallelDims:
     cp: int = 1
     """cp.degree"""
     rank: int = 0
-    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    fsdp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """built: (dp_shard_cp,), or (dp_replicate, dp_shard_cp) with HSDP"""
+    cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """built, with context parallelism: (cp,)"""
 
     def __post_init__(self) -> None:
         for key, degree in (("fsdp.replicate_degree", self.replicate), ("cp.degree", self.cp)):
@@ -81,21 +87,15 @@ class ParallelDims:
         return micro_batch_size * grad_accum_steps * self.dp_size
 
     def build(self, device_type: str) -> ParallelDims:
-        """Collective: these dims with their mesh (dp_replicate, dp_shard, cp), and the flattened axes
-        `dp_shard_cp` (FSDP) and `dp` (data parallelism)."""
+        """Collective: these dims with their meshes."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.replicate, self.world_size // (self.replicate * self.cp), self.cp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "cp"))
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return ParallelDims(self.world_size, self.replicate, self.cp, self.rank, mesh)
-
-    @property
-    def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: the shard ranks, and with HSDP the replicas around them."""
-        return self.mesh["dp_replicate", "dp_shard_cp"] if self.replicated else self.mesh["dp_shard_cp"]
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("dp_shard_cp",))
+        fsdp = world._unflatten(0, (self.replicate, self.shard_ranks), ("dp_replicate", "dp_shard_cp")) \
+            if self.replicated else world
+        cp = world._unflatten(0, (self.dp_size, self.cp), ("dp", "cp"))["cp"] if self.cp_enabled else None
+        return dataclasses.replace(self, fsdp_mesh=fsdp, cp_mesh=cp)
 
     @property
     def cp_group_name(self) -> str:
-        return self.mesh["cp"].get_group().group_name
+        return self.cp_mesh.get_group().group_name

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from sft.parallel.context_parallel import ContextParallel
+from sft.parallel.mesh import ParallelDims
 from sft.data.batches import MicroBatches
 from sft.distributed import DistEnv, all_reduce_sum
 from sft.training.loss import loss_inputs
@@ -15,7 +15,7 @@ from sft.data.masking import IGNORE_INDEX
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env: DistEnv,
-             cp: ContextParallel | None = None) -> float:
+             dims: ParallelDims) -> float:
     """Mean CE per supervised token over the eval set, samples spread round-robin over the
     data-parallel ranks (each row split over its cp group's ranks).
 
@@ -24,16 +24,15 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
     """
     model.train(False)  # inference mode (dropout off), restored below
     size = len(batches.dataset)
-    dp_rank, dp_size = (cp.dp_rank, cp.dp_size) if cp is not None else (env.rank, env.world_size)
-    mine = list(range(dp_rank, size, dp_size))
-    num_batches = math.ceil(math.ceil(size / dp_size) / micro_batch_size)
+    mine = list(range(dims.dp_rank, size, dims.dp_size))
+    num_batches = math.ceil(math.ceil(size / dims.dp_size) / micro_batch_size)
     ce_sum, tokens = torch.zeros((), dtype=torch.float64, device=env.device), 0
     for b in range(num_batches):
         indices = mine[b * micro_batch_size : (b + 1) * micro_batch_size]
         batch, _ = batches(indices or [0])
         if not indices:
             batch["labels"].fill_(IGNORE_INDEX)
-        inputs = loss_inputs(batch, cp)
+        inputs = loss_inputs(batch, dims)
         tokens += len(inputs["target_ids"])
         ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
     model.train()

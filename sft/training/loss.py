@@ -2,7 +2,7 @@
 
 Per step, every rank counts the supervised tokens of all its micro-batches, one all-reduce makes
 that the global count N, and each micro-batch backpropagates sum(CE) / N. FSDP then *sums*
-gradients over ranks (divide factor 1, sft/parallel.py), so the gradient is exactly that of the
+gradients over ranks (divide factor 1, sft/parallel/), so the gradient is exactly that of the
 token-weighted mean over the global batch, however tokens fall across micro-batches and ranks.
 
 The lm_head and cross-entropy run only on supervised positions, in row chunks, with the
@@ -21,37 +21,40 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
-from sft.parallel.context_parallel import ContextParallel, attention_mask
-from sft.distributed import all_reduce_sum
 from sft.data.masking import IGNORE_INDEX
+from sft.distributed import all_reduce_sum
 from sft.models.build import ModelError
-from sft.models.moe import router_loss
+from sft.parallel.context_parallel import attention_mask, shard_rows
+from sft.parallel.mesh import ParallelDims
 
 # Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
 LOGITS_PER_CHUNK = 2**28
 
 
-def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                           with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and optionally its gradients."""
+def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_hidden: bool,
+                           grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and the gradients asked for (a frozen
+    lm_head, LoRA's, needs none: neither its float32 buffer nor the matmul that fills it)."""
     chunk = max(1, LOGITS_PER_CHUNK // weight.shape[0])
     acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in >= fp32
     total = torch.zeros((), dtype=acc, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if with_grads else None
+    d_hidden = torch.empty_like(hidden) if grad_hidden else None
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad_weight else None
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         logits = (h @ weight.T).to(acc)
         lse = torch.logsumexp(logits, dim=-1)
         total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-        if with_grads:
+        if grad_hidden or grad_weight:
             # d CE / d logits = softmax - onehot
             grad_logits = torch.exp_(logits.sub_(lse[:, None]))
             grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
             grad_logits = grad_logits.to(hidden.dtype)
-            grad_hidden[start : start + chunk] = grad_logits @ weight
-            grad_weight += grad_logits.T @ h
-    return total, grad_hidden, grad_weight
+            if grad_hidden:
+                d_hidden[start : start + chunk] = grad_logits @ weight
+            if grad_weight:
+                d_weight += grad_logits.T @ h
+    return total, d_hidden, d_weight
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -59,20 +62,21 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, with_grads=True)
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), None
+        return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
+                None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None)
 
 
-def loss_inputs(batch: dict[str, torch.Tensor], cp: ContextParallel | None = None) -> dict[str, torch.Tensor]:
+def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None) -> dict[str, torch.Tensor]:
     """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
     predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token;
-    with context parallelism, for this rank's share of each row, plus the attention layout.
+    with context parallelism (`dims`), for this rank's share of each row, plus the attention layout.
 
     Selecting them with a boolean mask on the GPU would make the host wait for the forward pass
     every micro-batch (the result's size depends on the data); on the host it costs nothing.
@@ -81,8 +85,8 @@ def loss_inputs(batch: dict[str, torch.Tensor], cp: ContextParallel | None = Non
     rows = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
             "targets": F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)}
     layout = {}
-    if cp is not None and cp.degree > 1:
-        rows, layout = cp.shard_rows(rows)  # targets shifted on the whole row, then split
+    if dims is not None and dims.cp_enabled:
+        rows, layout = shard_rows(rows, dims)  # targets shifted on the whole row, then split
     targets = rows["targets"]
     sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     return {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"],
@@ -98,7 +102,7 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
     if torch.is_grad_enabled():
         return LinearCrossEntropy.apply(*args)
-    return _chunked_cross_entropy(*args, with_grads=False)[0]
+    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False)[0]
 
 
 def attach_sft_loss(model: PreTrainedModel) -> None:
@@ -120,30 +124,31 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
 
 
 def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
-                     sync_each_microbatch: bool = True, cp: ContextParallel | None = None,
+                     sync_each_microbatch: bool = True, dims: ParallelDims | None = None, moe=None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
-    token count), both still on the device: nothing here makes the host wait for the GPU."""
-    inputs = [loss_inputs(b, cp) for b in micro_batches]
-    router = router_loss(model)  # MoE: the load-balancing loss (sft/moe.py)
+    token count), both still on the device: nothing here makes the host wait for the GPU. `moe`:
+    the MoE handle of a mixture-of-experts model (sft/models/moe.py), whose load-balancing term joins
+    the loss inside its blocks."""
+    inputs = [loss_inputs(b, dims) for b in micro_batches]
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens (and, for MoE, of real tokens).
     counts = [sum(len(x["target_ids"]) for x in inputs)]
-    if router:
+    if moe:
         counts.append(sum(int(b["real_tokens"].sum()) for b in micro_batches))
     counts = all_reduce_sum(counts, device)
     num_tokens = counts[0]
-    if router:
-        router.begin_step(counts[1])
+    if moe:
+        moe.begin_step(counts[1])
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, batch in enumerate(inputs):
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
             model.set_requires_gradient_sync(i == len(inputs) - 1)
-        if router:
-            router.begin_micro_batch(micro_batches[i]["real_tokens"].to(device, non_blocking=True))
+        if moe:
+            moe.begin_micro_batch(micro_batches[i]["real_tokens"].to(device, non_blocking=True))
         loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
-        if router:
-            router.end_micro_batch()  # before backward, which may recompute the blocks
+        if moe:
+            moe.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()
         ce_sum += loss.detach()
     return ce_sum, num_tokens

@@ -17,7 +17,7 @@ import torch
 from sft import atomic
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0
-from sft.models.moe import RouterLoss, active_parameters, router_loss
+from sft.parallel.mesh import ParallelDims
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
 # text is in torch.cuda.get_device_name() (so the specific "H100 PCIe" comes before "H100").
@@ -26,7 +26,7 @@ PEAK_BF16_FLOPS = (
     ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
 )
 
-# The keys of every training entry of metrics.jsonl (the README's "Run directory" table lists
+# The keys of every training entry of metrics.jsonl (docs/checkpoints.md's "Run directory" table lists
 # them; tests check both). GPUs with a known peak add "mfu"; the first step adds START_KEYS.
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "supervised_tokens", "tokens_seen", "step_time", "eta_s",
              "tokens_per_s_per_gpu", "supervised_tokens_per_s_per_gpu", "peak_memory_gib")
@@ -35,10 +35,12 @@ START_KEYS = ("startup_s", "host_peak_rss_gib_per_rank")
 ALLOCATOR_KEYS = ("peak_reserved_gib", "alloc_retries")
 
 
-def flops_per_token(num_params: int, num_layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6*N for the matmuls with the weights (forward + backward) plus
-    6*L*s*h for attention scores and values (PaLM's formula; recomputation not counted)."""
-    return 6 * num_params + 6 * num_layers * seq_len * hidden
+def flops_per_token(trained: int, frozen: int, num_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per trained parameter for the matmuls with the weights (forward,
+    the input's gradient and the weight's), 4 per frozen one (a LoRA run's base: no weight
+    gradient), plus 6*L*s*h for attention scores and values (PaLM's formula; recomputation not
+    counted)."""
+    return 6 * trained + 4 * frozen + 6 * num_layers * seq_len * hidden
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:
@@ -56,7 +58,7 @@ class AllocatorStats:
     (allocated + cached blocks) and how many retries this step needed (an allocation that did not
     fit made it free its cached blocks and try again, which synchronises the GPU): a run near the
     memory limit can be slower at the same peak_memory_gib because of them (issue #24:
-    sft/parallel.py:GradientsInComputePool removed the ones every step had). On CPU only
+    sft/parallel/fsdp.py:GradientsInComputePool removed the ones every step had). On CPU only
     peak_memory_gib, 0."""
 
     def __init__(self, device: torch.device):
@@ -108,15 +110,24 @@ class StepMetrics:
     """
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
-                 first_step_extras: dict, cp_degree: int = 1):
+                 first_step_extras: dict, dims: ParallelDims, moe=None):
+        """`moe`: the MoE handle of a mixture-of-experts model (sft/models/moe.py): its expert loads
+        are logged, and MFU counts the parameters a token runs through."""
         text = model.config.get_text_config()
-        self.num_params = active_parameters(model)  # MoE: the experts a token runs through, for MFU
-        self.router = router_loss(model)
+        # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
+        # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
+        total = sum(p.numel() for p in model.parameters())
+        active = moe.active_parameters if moe else total
+        experts_train = moe is not None and moe.blocks[0].experts.gate_up_proj.requires_grad
+        self.trained = sum(p.numel() for p in model.parameters() if p.requires_grad) - (
+            total - active if experts_train else 0)
+        self.frozen = active - self.trained
+        self.moe = moe
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         self.first_step_extras = first_step_extras
         # The ranks of a cp group share each row: each counts its 1/degree of the row's tokens.
-        self.row_share = 1 / cp_degree
+        self.row_share = 1 / dims.cp
         self.peak_flops = peak_bf16_flops(env.device)
         self.allocator = AllocatorStats(env.device)
         if env.device.type == "cuda" and self.peak_flops is None:
@@ -135,15 +146,15 @@ class StepMetrics:
         `supervised` the global supervised-token count, `grad_norm` the global norm.
         """
         tokens = sum(n for _, n in micro_batches) * self.row_share
-        flops = sum(n * flops_per_token(self.num_params, self.num_layers, self.hidden, b["input_ids"].shape[1])
+        flops = sum(n * flops_per_token(self.trained, self.frozen, self.num_layers, self.hidden, b["input_ids"].shape[1])
                     for b, n in micro_batches) * self.row_share
-        router_stats = self.router.step_stats().double().flatten().to(self.env.device) if self.router else None
+        router_stats = self.moe.step_stats().double().flatten().to(self.env.device) if self.moe else None
         summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(self.env.device),
                                            torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64,
                                                         device=self.env.device),
-                                           *([router_stats] if self.router else [])]), self.env.device)
-        if self.router:  # the MoE part: [layers, 1 + experts] sums over ranks
-            router_stats, summed = summed[4:].view(len(self.router.blocks), -1), summed[:4]
+                                           *([router_stats] if self.moe else [])]), self.env.device)
+        if self.moe:  # the MoE part: [layers, 1 + experts] sums over ranks
+            router_stats, summed = summed[4:].view(len(self.moe.blocks), -1), summed[:4]
         # grad_norm may live on the host (CPU offload): bring everything to one device to read it once.
         ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
             [summed, supervised.double().view(1).to(self.env.device),
@@ -158,8 +169,8 @@ class StepMetrics:
                  "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
                  **self.allocator.step()}
-        if self.router:
-            entry.update(RouterLoss.summary(router_stats))
+        if self.moe:
+            entry.update(self.moe.summary(router_stats))
         if self.peak_flops:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
@@ -171,7 +182,7 @@ class MetricsLogger:
     """Rank 0's sinks for step metrics: metrics.jsonl (always), the console or a progress bar,
     TensorBoard and Weights & Biases (optional; imported only when enabled).
 
-    metrics.jsonl has one JSON object per optimizer step with the keys documented in the README
+    metrics.jsonl has one JSON object per optimizer step with the keys documented in docs/checkpoints.md
     ("Run directory"), and one {"step", "eval_loss"} object per evaluation. A run resumed at step
     N trains steps N+1, ... again: the entries the interrupted run wrote past N are dropped first
     (atomically; TensorBoard's purge_step does the same to its events), so each step has one entry

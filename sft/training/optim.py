@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -11,9 +12,33 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from sft.config import OptimConfig
 
 
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per trained parameter of each part of the training state; the planner, the checkpoint
+    size warnings and the host staging all count with these."""
+    master: int = 4
+    """the float32 master weight"""
+    grad: int = 4
+    """its float32 gradient, from backward to the optimizer step"""
+    optimizer: int = 8
+    """AdamW's two float32 moments"""
+
+    @property
+    def checkpoint(self) -> int:
+        """What a checkpoint holds of it: the weight and the optimizer state."""
+        return self.master + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.master + self.grad + self.optimizer
+
+
+STATE_BYTES = StateBytes()
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
-    for param in model.parameters():
+    for param in (p for p in model.parameters() if p.requires_grad):  # frozen ones (LoRA's base) get no state
         # 1-D parameters are norm weights and biases: decaying them towards 0 only hurts.
         (decay if param.dim() >= 2 or cfg.decay_norms_and_biases else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

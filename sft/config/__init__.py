@@ -1,0 +1,20 @@
+"""The run configuration: one tree of dataclasses (`schema`), loaded from YAML plus dotted
+command-line overrides (`load`) and validated (`checks`).
+
+The field docstrings (the string literal under each field) are the documentation of every key;
+`python -m sft.config` prints them as the config reference (`reference`). Precedence: command-line
+overrides > YAML file > defaults. Everything is validated before any process group, model or
+output directory exists, and all problems are reported in one `ConfigError` naming the file.
+"""
+
+from sft.config.checks import ConfigError, check_machine
+from sft.config.load import load_config, parse_args, to_yaml
+from sft.config.schema import (AC_MODES, DATA_FILE_SUFFIXES, DTYPES, ACConfig, ACMode, CheckpointConfig,
+                               CompileConfig, Config, CPConfig, DataConfig, DistConfig, EvalConfig, FSDPConfig,
+                               LoggingConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig, PlanConfig,
+                               PrecisionConfig, TrainConfig, is_local_path)
+
+__all__ = ["AC_MODES", "DATA_FILE_SUFFIXES", "DTYPES", "ACConfig", "ACMode", "CheckpointConfig", "CompileConfig",
+           "Config", "ConfigError", "CPConfig", "DataConfig", "DistConfig", "EvalConfig", "FSDPConfig",
+           "LoggingConfig", "LoRAConfig", "MoEConfig", "ModelConfig", "OptimConfig", "PlanConfig", "PrecisionConfig",
+           "TrainConfig", "check_machine", "is_local_path", "load_config", "parse_args", "to_yaml"]

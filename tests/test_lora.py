@@ -1,0 +1,162 @@
+"""LoRA end to end on the CPU (configs/demo_lora.yaml on the demo data, a saved random base): the
+checkpoints hold only what trains and a resumed run reproduces the uninterrupted one bit for bit,
+also on another number of ranks; the exported adapter is PEFT's format, loads onto its base with
+nothing else, merges into a plain model with the same logits, and chats. The math against a
+plain-torch reference in every layout: tests/test_distributed.py (LORA_RUNS); the settings that do
+not fit: tests/test_config.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from helpers import REPO, eval_losses, run_cli, run_demo, train_losses
+
+CONFIG = "configs/demo_lora.yaml"
+
+
+def lora(data, out, name, *overrides, nproc=2):
+    return run_demo(data, out, name, f"model.name_or_path={out / 'base'}", "train.max_steps=6",
+                    "checkpoint.every_steps=2", "eval.every_steps=0", "train.micro_batch_size=4", *overrides,
+                    nproc=nproc, config=CONFIG)
+
+
+# lora.* -> the one error apply_lora gives for the demo model
+BAD_TARGETS = {
+    ("target_modules", ("qproj",)): "lora.target_modules=['qproj']: qproj names no Linear layer of the decoder blocks; "
+                                   "they have down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj",
+    ("modules_to_save", ("embeddings",)): "lora.modules_to_save=['embeddings']: embeddings names no module of "
+                                         "Qwen2ForCausalLM",
+}
+
+
+@pytest.mark.parametrize("key, value", list(BAD_TARGETS), ids=[key for key, _ in BAD_TARGETS])
+def test_names_that_match_nothing_are_one_error_listing_what_there_is(key, value):
+    from sft.config import LoRAConfig, ModelConfig
+    from sft.models.build import build_meta_model, decoder_blocks
+    from sft.models.lora import LoRAError, apply_lora
+
+    model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
+    with pytest.raises(LoRAError) as err:
+        apply_lora(model, decoder_blocks(model), LoRAConfig(rank=4, **{key: list(value)}), torch.float32)
+    assert str(err.value).startswith(BAD_TARGETS[key, value])
+
+
+def test_only_the_adapters_and_the_modules_to_save_train_and_the_names_stay():
+    from sft.config import LoRAConfig, ModelConfig
+    from sft.models.build import build_meta_model, decoder_blocks
+    from sft.models.lora import LoRALinear, apply_lora
+
+    model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
+    names = [name for name, _ in model.named_parameters()]
+    apply_lora(model, decoder_blocks(model), LoRAConfig(rank=4, target_modules=["q_proj", "v_proj"],
+                                                        modules_to_save=["embed_tokens"]), torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert [name for name in params if ".lora_" not in name] == names  # the base loads by its own names
+    trained = sorted(name for name, p in params.items() if p.requires_grad)
+    assert trained == sorted([f"model.layers.{i}.self_attn.{m}.lora_{ab}.weight" for i in range(4)
+                              for m in ("q_proj", "v_proj") for ab in "AB"] + ["model.embed_tokens.weight"])
+    assert {p.dtype for name, p in params.items() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 8
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory, demo_data):
+    """The frozen base as `make demo-lora` writes it, and 6 uninterrupted steps on 2 ranks with a
+    checkpoint every 2 and the adapter exported in float32."""
+    out = tmp_path_factory.mktemp("lora")
+    subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo/model", str(out / "base"),
+                    "--dtype", "float32", "--device", "cpu"], cwd=REPO, check=True, capture_output=True)
+    lora(demo_data, out, "continuous", "eval.every_steps=3")
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_only_what_trains_and_resume_bit_for_bit(continuous, demo_data):
+    step4 = continuous / "continuous" / "checkpoints" / "step-4"
+    saved = {key for key in dcp.FileSystemReader(str(step4)).read_metadata().state_dict_metadata
+             if key.startswith("model.")}
+    assert saved and all(".lora_A." in key or ".lora_B." in key or key == "model.model.embed_tokens.weight"
+                         for key in saved), sorted(saved)[:5]
+    assert sum(f.stat().st_size for f in step4.glob("*.distcp")) < 4 * 2**20  # the 0.9M-parameter base is not there
+    target = continuous / "resumed" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(step4, target / "step-4")
+    proc = lora(demo_data, continuous, "resumed")
+    assert "loaded weights from" in proc.stdout and f"resumed from {target / 'step-4'} (step 4" in proc.stdout
+    reference = train_losses(continuous / "continuous")
+    assert train_losses(continuous / "resumed") == {5: reference[5], 6: reference[6]}
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_resumes_on_another_number_of_ranks(continuous, demo_data):
+    target = continuous / "one_rank" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(continuous / "continuous" / "checkpoints" / "step-4", target / "step-4")
+    lora(demo_data, continuous, "one_rank", "train.grad_accum_steps=2", nproc=1)  # the same global batch
+    reference = train_losses(continuous / "continuous")
+    for step, (loss, norm) in train_losses(continuous / "one_rank").items():
+        assert loss == pytest.approx(reference[step][0], rel=1e-5)
+        assert norm == pytest.approx(reference[step][1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_adapter_loads_with_peft_onto_its_base_and_merges(continuous, demo_data, capsys):
+    """PEFT reads the adapter with nothing but its directory (the base is the one adapter_config.json
+    names); its logits are the merged export's; the model learnt (its eval loss is the run's)."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from sft.chat import main as chat
+    from sft.export import main as export
+
+    adapter = continuous / "continuous" / "export"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(continuous / "base")
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 16, 32.0)
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    merged = continuous / "merged"
+    status, _, err = run_cli(export, [str(continuous / "continuous" / "checkpoints" / "step-6"), str(merged),
+                                      "--merge", "--dtype", "float32"], capsys)
+    assert status == 0, err
+
+    ids = torch.randint(3, 800, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = AutoPeftModelForCausalLM.from_pretrained(adapter)(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(continuous / "base")(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 0.1  # the adapter changed the model
+
+    assert eval_losses(continuous / "continuous")[-1] < 0.9 * eval_losses(continuous / "continuous")[0]
+    status, answer, err = run_cli(chat, [str(adapter), "--prompt", "Spell the word 'rocket'.", "--max-new-tokens", "8"],
+                                  capsys)
+    status2, merged_answer, _ = run_cli(chat, [str(merged), "--prompt", "Spell the word 'rocket'.",
+                                               "--max-new-tokens", "8"], capsys)
+    assert status == status2 == 0 and answer == merged_answer and answer.strip(), err
+
+
+@pytest.mark.slow
+def test_qlora_trains_on_nf4_weights_and_resumes_bit_for_bit(continuous, demo_data):
+    """lora.base=nf4 through train.py: the adapted layers' weights that split into NF4 groups are
+    4-bit (k/v of the demo model, 64 x 128, stay bfloat16), and a run resumed from its checkpoint,
+    which reloads and re-quantises the base, continues exactly."""
+    nf4 = ["lora.base=nf4", "train.max_steps=4"]
+    proc = lora(demo_data, continuous, "qlora", *nf4)
+    assert "base weights of the adapted layers in NF4 but k_proj, v_proj, which do not split" in proc.stdout
+    target = continuous / "qlora_resumed" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(continuous / "qlora" / "checkpoints" / "step-2", target / "step-2")
+    lora(demo_data, continuous, "qlora_resumed", *nf4)
+    reference = train_losses(continuous / "qlora")
+    assert train_losses(continuous / "qlora_resumed") == {3: reference[3], 4: reference[4]}
+    assert reference[1][0] != pytest.approx(train_losses(continuous / "continuous")[1][0], rel=1e-4)  # NF4, not bf16
