@@ -83,6 +83,8 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=0, help="lora.rank (adapters on every Linear of the blocks, "
                    "set to non-zero values: lora_B starts at zero, where the adapters' gradients tell little)")
     p.add_argument("--lora-base", default="bfloat16", help="lora.base (nf4: QLoRA)")
+    p.add_argument("--exact-casts", action="store_true", help="compiled code rounds to bf16 where eager does "
+                   "(inductor's emulate_precision_casts): a compiled NF4 dequantisation equals the eager reference's")
     return p.parse_args(flags)
 
 
@@ -143,7 +145,9 @@ def main() -> None:
         torch._dynamo.reset()  # each compiled run compiles its own graphs, as in a process of its own
         # ... with dynamo's settings of a fresh process (sft.models.moe.apply_moe changes one for MoE models)
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = False
-        result = run(parse_run(flags), env)
+        args = parse_run(flags)
+        torch._inductor.config.emulate_precision_casts = args.exact_casts
+        result = run(args, env)
         if env.rank == 0:
             torch.save(result, Path(launch.out) / f"{name}.pt")
     dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it

@@ -160,3 +160,31 @@ def test_qlora_trains_on_nf4_weights_and_resumes_bit_for_bit(continuous, demo_da
     reference = train_losses(continuous / "qlora")
     assert train_losses(continuous / "qlora_resumed") == {3: reference[3], 4: reference[4]}
     assert reference[1][0] != pytest.approx(train_losses(continuous / "continuous")[1][0], rel=1e-4)  # NF4, not bf16
+
+
+@pytest.mark.slow  # compiles (no process of its own)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_nf4_layer_keeps_no_bf16_weight_for_its_backward(compiled):
+    """QLoRA's point is that the base is 4-bit: what a layer saves for its backward holds no
+    dequantised bf16 weight (compiled, the partitioner would keep one unless it is recomputed)."""
+    from torch import nn
+
+    from sft.models.lora import LoRALinear, quantized
+
+    torch.manual_seed(0)
+    layer = LoRALinear(nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16), rank=4, alpha=8.0, dropout=0.0)
+    layer.weight = quantized(layer.weight.detach())
+    layer.to(torch.bfloat16)
+    forward = torch.compile(layer) if compiled else layer
+    saved = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    x = torch.randn(2, 8, 512, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        forward(x).sum().backward()
+    dense = [tuple(t.shape) for t in saved if type(t) is torch.Tensor and t.numel() >= 1024 * 512]
+    assert dense == [], dense
+    assert x.grad is not None and layer.lora_A.weight.grad is not None and layer.weight.grad is None

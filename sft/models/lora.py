@@ -26,6 +26,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
@@ -52,7 +53,13 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        weight = self.weight
+        if is_nf4(weight) and torch.compiler.is_compiling():
+            # Compiled, the partitioner would keep each dequantised bf16 weight for the backward
+            # (2 bytes a base parameter: QLoRA's saving gone); checkpointed, it keeps the NF4 data and
+            # dequantises again there. Eager, torchao's NF4 linear already saves only the NF4 weight.
+            weight = checkpoint(_dequantized, weight, x.dtype, use_reentrant=False)
+        return F.linear(x, weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha / r) B A: what the adapter adds, folded into the base weight."""
@@ -169,6 +176,10 @@ def _splits_into_nf4_groups(module: LoRALinear) -> bool:
 def nf4_weights(model: nn.Module) -> list[nn.Parameter]:
     """The base weights QLoRA stores in NF4: those of the adapted layers that split into NF4 groups."""
     return [module.weight for module in model.modules() if isinstance(module, LoRALinear) and _splits_into_nf4_groups(module)]
+
+
+def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return weight.to(dtype)
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
