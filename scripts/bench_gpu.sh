@@ -49,7 +49,8 @@
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
 #             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
-#             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs
+#             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs;
+#             TRACE=1: plan.auto's LoRA run traced at steps 9-10
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   summary   one table of all runs
@@ -460,10 +461,10 @@ print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [r
       done ;;
     lora)
       p7b_data
-      LORA="lora.rank=16 lora.alpha=32"
+      LORA="lora.rank=16 lora.alpha=32" TRACED=${TRACE:+logging.profile_steps=[9,10]}
       ac_runs lora <<RUNS
 lora-p7b-ac1    configs/bench/p7b.yaml $LORA ac.ratio=1
-lora-p7b-auto   configs/bench/p7b.yaml $LORA plan.auto=true
+lora-p7b-auto   configs/bench/p7b.yaml $LORA plan.auto=true $TRACED
 qlora-p7b-ac1   configs/bench/p7b.yaml $LORA lora.base=nf4 ac.ratio=1
 qlora-p7b-auto  configs/bench/p7b.yaml $LORA lora.base=nf4 plan.auto=true
 RUNS

@@ -128,7 +128,10 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
     masters; a LoRA run's frozen base in the compute dtype). LoRA adapters, which no model file
     holds, start from their own initialisation (sft/models/lora.py), seeded like random init."""
     with torch.no_grad():
-        for name, param in list(model.named_parameters()):
+        # By name: QLoRA replaces its NF4 parameters as it goes, and a list of the parameters
+        # would keep every replaced one alive (the whole NF4 base twice).
+        for name in [name for name, _ in model.named_parameters()]:
+            param = model.get_parameter(name)
             if is_nf4(param):  # QLoRA: the whole weight read (one at a time) and quantised where it is used
                 module_name, _, attr = name.rpartition(".")
                 full = weights.read(clean_name(name), tuple(slice(None) for _ in param.shape), device)
