@@ -53,6 +53,7 @@
 #             TRACE=1: plan.auto's LoRA run traced at steps 9-10
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
+#   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 set -u
@@ -69,6 +70,11 @@ NGPU=${NGPU:-$(nvidia-smi -L | wc -l)}
 CKPT7B=${CKPT7B:-/tmp/qwen2.5-7b-random}
 STEPS=${STEPS:-12}
 LOGS=runs/bench/logs
+# Qwen2.5-72B's shapes, random weights, the P-7B rows: the 72B LoRA stages' overrides of configs/qwen72b_qlora.yaml
+LORA72B="model.name_or_path=configs/models/qwen2.5-72b model.init=random model.tokenizer=configs/demo/model \
+data.path=data/bench/p7b.parquet data.eval_fraction=0 data.pad_to=max_seq_len train.output_dir=runs/bench \
+train.grad_accum_steps=1 train.overwrite=true checkpoint.enabled=false checkpoint.export_hf=false \
+eval.every_steps=0 logging.every_steps=1"
 mkdir -p "$LOGS"
 
 train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES may rename the run)
@@ -475,7 +481,13 @@ RUNS
     qlora72b)
       p7b_data
       ac_runs qlora72b <<RUNS
-qlora72b-ac1 configs/qwen72b_qlora.yaml model.name_or_path=configs/models/qwen2.5-72b model.init=random model.tokenizer=configs/demo/model data.path=data/bench/p7b.parquet data.eval_fraction=0 data.pad_to=max_seq_len train.output_dir=runs/bench train.grad_accum_steps=1 train.overwrite=true checkpoint.enabled=false checkpoint.export_hf=false eval.every_steps=0 logging.every_steps=1
+qlora72b-ac1 configs/qwen72b_qlora.yaml $LORA72B
+RUNS
+      ;;
+    lora72b)
+      p7b_data
+      ac_runs lora72b <<RUNS
+lora72b-ac1 configs/qwen72b_qlora.yaml $LORA72B lora.base=bfloat16
 RUNS
       ;;
     summary)
