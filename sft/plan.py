@@ -25,6 +25,12 @@ attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMA
 planner" and its issue #24 and #25 sections compare the predictions with 45 measured peaks
 (0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures are estimates: leave a margin.
 
+With LoRA (lora.rank > 0) only the adapters and modules_to_save carry the 16 bytes of state; the
+frozen base is its fsdp.param_dtype weights, sharded, or with lora.base=nf4 the adapted weights in
+NF4 (0.516 bytes a parameter, whole on every GPU, one matrix dequantised at a time); the activations
+add the adapters' inputs and rank-wide outputs. The "LoRA and QLoRA" section of docs/BENCHMARKS.md
+compares 8 measured LoRA and QLoRA peaks (P-7B and 72B) with it: 1-9% below the prediction.
+
 With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
 shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
 reduce-scatter output before its copy out). The host of each node holds, per GPU, the fp32 shards

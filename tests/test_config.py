@@ -162,6 +162,13 @@ def test_command_line_tools_report_bad_input_in_one_line(tool, monkeypatch, caps
     assert message in err and "Traceback" not in err
 
 
+def test_the_config_tool_answers_help(capsys):
+    from sft.config.__main__ import main
+
+    status, out, _ = run_cli(main, ["--help"], capsys)
+    assert status == 0 and "python -m sft.config --run-dir CONFIG [overrides]" in out
+
+
 def test_the_planner_does_not_need_the_data_files_or_optional_packages(tmp_path, monkeypatch, capsys):
     """Planning happens on a login node, where the data, the checkpoint to resume or the optional
     packages the run asks for may not be."""

@@ -1,4 +1,5 @@
 """python -m sft.config                                   the config reference (markdown)
+python -m sft.config --help                              this text
 python -m sft.config --readme docs/configuration.md      refresh the reference there
 python -m sft.config CONFIG [overrides]                  the resolved config, validated
 python -m sft.config --run-dir CONFIG [overrides]        the run directory (slurm/train.slurm)"""
@@ -15,7 +16,9 @@ from sft.errors import run_command
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--readme"]:
+    if args[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+    elif args[:1] == ["--readme"]:
         update_readme(Path(args[1]))
     elif args[:1] == ["--run-dir"]:
         print(load_config(args[1], args[2:]).run_dir)

@@ -221,7 +221,8 @@ class MoEConfig:
     ranks or grad-accum steps (sft/models/moe.py says exactly what is computed)."""
     train_router: bool = True
     """Train the routers. False freezes them (the load-balancing loss then only reaches the hidden
-    states through the router's input; set aux_loss_coef: 0 to drop it)."""
+    states through the router's input; set aux_loss_coef: 0 to drop it). With LoRA (lora.rank > 0)
+    the routers are frozen with the rest of the base."""
     router_fp32: bool = True
     """Compute router logits, softmax and top-k in float32 from the upcast hidden states and gathered
     router weight (under fsdp.param_dtype=bfloat16 that weight is its bf16-rounded copy), so close
