@@ -22,7 +22,8 @@ CONFIG = "configs/demo_lora.yaml"
 
 
 def lora(data, out, name, *overrides, nproc=2):
-    return run_demo(data, out, name, f"model.name_or_path={out / 'base'}", "train.max_steps=6",
+    """6 steps of configs/demo_lora.yaml on `out`/base; half the blocks checkpointed (wrapped), half not."""
+    return run_demo(data, out, name, f"model.name_or_path={out / 'base'}", "train.max_steps=6", "ac.ratio=0.5",
                     "checkpoint.every_steps=2", "eval.every_steps=0", "train.micro_batch_size=4", *overrides,
                     nproc=nproc, config=CONFIG)
 
@@ -86,6 +87,10 @@ def test_checkpoints_hold_only_what_trains_and_resume_bit_for_bit(continuous, de
              if key.startswith("model.")}
     assert saved and all(".lora_A." in key or ".lora_B." in key or key == "model.model.embed_tokens.weight"
                          for key in saved), sorted(saved)[:5]
+    # every adapter, of the checkpointed blocks too
+    layers = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+    assert saved == {f"model.model.layers.{i}.{part}.{name}.lora_{ab}.weight" for i in range(4)
+                     for part, names in layers.items() for name in names for ab in "AB"} | {"model.model.embed_tokens.weight"}
     assert sum(f.stat().st_size for f in step4.glob("*.distcp")) < 4 * 2**20  # the 0.9M-parameter base is not there
     target = continuous / "resumed" / "checkpoints"
     target.mkdir(parents=True)

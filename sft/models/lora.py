@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
+from sft.models.build import clean_name
 
 
 class LoRAError(UserError):
@@ -87,8 +88,9 @@ def is_adapter(name: str) -> bool:
 
 
 def trained_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """The entries of a model state dict that a LoRA checkpoint holds: the parameters that train."""
-    trained = {name for name, param in model.named_parameters() if param.requires_grad}
+    """The entries of a model state dict that a LoRA checkpoint holds: the parameters that train
+    (the state dict names them without the activation checkpointing wrapper's prefix)."""
+    trained = {clean_name(name) for name, param in model.named_parameters() if param.requires_grad}
     return {key: value for key, value in state.items() if key in trained}
 
 
