@@ -87,13 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     model = rank0_first(lambda: build_meta_model(cfg.model))
     moe = apply_moe(model, cfg.moe)  # MoE models: our routing, experts and load-balancing loss; None if dense
     # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.
-    if applied := apply_lora(model, decoder_blocks(model), cfg.lora, DTYPES[cfg.fsdp.param_dtype]):
+    blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
+    if applied := apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype]):
         log0(applied)
     if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
         log0(warning)  # before anything is allocated: this run may not fit
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
-    parallelize(model, decoder_blocks(model), dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
+    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft.config import is_local_path
 from sft.errors import UserError, run_command
+from sft.models.lora import adapter_delta
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -44,7 +45,7 @@ def merge_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
             name = key.removeprefix("base_model.model.")
             if ".lora_A." in name:
                 stem = name.split(".lora_A.")[0]
-                update = scaling * tensors[key.replace(".lora_A.", ".lora_B.")].float() @ tensor.float()
+                update = adapter_delta(tensor, tensors[key.replace(".lora_A.", ".lora_B.")], scaling)
                 params[f"{stem}.weight"].add_(update.to(params[f"{stem}.weight"].dtype))
             elif ".lora_B." not in name:
                 params[name].copy_(tensor)

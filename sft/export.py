@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from safetensors.torch import save_file
 
 from sft import atomic
 from sft.checkpoint.layout import CONFIG, HF_FILES, CheckpointError, checkpoint_problem, content_problem
@@ -31,7 +32,7 @@ from sft.config import DTYPES, ModelConfig, is_local_path
 from sft.errors import run_command
 from sft.models.build import build_meta_model, load_tokenizer
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
-from sft.models.lora import is_adapter
+from sft.models.lora import adapter_delta, is_adapter
 from sft.models.weights import initial_weights
 
 
@@ -93,14 +94,14 @@ def write_adapter(checkpoint: Path, lora: dict, base: str, model, out: Path, dty
     tied = model.config.get_text_config().tie_word_embeddings and f"base_model.model.{embedding}.weight" in tensors
     if tied:
         tensors[f"base_model.model.{head}.weight"] = tensors[f"base_model.model.{embedding}.weight"].clone()
-    write_safetensors(tensors.items(), out, single_file="adapter_model.safetensors")
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, out / "adapter_model.safetensors",
+              metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
         "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "target_modules": sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes if is_adapter(name)}),
         "modules_to_save": lora["modules_to_save"] or None,
-        # A trained embedding of a tied model is the lm_head too: PEFT unties them unless asked.
         "ensure_weight_tying": tied,
         # A local base by its absolute path, so that the adapter loads from anywhere.
         "base_model_name_or_path": str(Path(base).resolve()) if is_local_path(base) else base,
@@ -122,7 +123,7 @@ def _merged(checkpoint: Path, lora: dict, cfg: dict, model, shapes: dict) -> Ite
         tensor = base.read(name, (), torch.device("cpu")).float()
         stem = name.removesuffix(".weight")
         if f"{stem}.lora_A.weight" in trained:
-            tensor = tensor + scaling * trained[f"{stem}.lora_B.weight"] @ trained[f"{stem}.lora_A.weight"]
+            tensor = tensor + adapter_delta(trained[f"{stem}.lora_A.weight"], trained[f"{stem}.lora_B.weight"], scaling)
         yield name, tensor
 
 

@@ -432,8 +432,6 @@ def gpu_memory_gib(cfg: Config, device) -> float | None:
     """The GPU memory to plan for: plan.gpu_mem_gib, else the GPU's own; None on a CPU without it."""
     if cfg.plan.gpu_mem_gib:
         return cfg.plan.gpu_mem_gib
-    import torch
-
     return torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
 
 

@@ -17,17 +17,12 @@ MAX_SHARD_BYTES = 5 * 2**30
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,
-                      max_shard_bytes: int = MAX_SHARD_BYTES, single_file: str | None = None) -> None:
-    """Write (name, tensor) pairs as model-0000i-of-0000n.safetensors + model.safetensors.index.json,
-    or (`single_file`, for what is small: a LoRA adapter) as that one file.
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write (name, tensor) pairs as model-0000i-of-0000n.safetensors + model.safetensors.index.json.
 
     Tensors are consumed one at a time and a shard is written as soon as it is full, so host
     memory stays bounded by one shard whatever the model size.
     """
-    if single_file:
-        save_file({name: tensor.detach().contiguous().cpu() for name, tensor in tensors}, directory / single_file,
-                  metadata={"format": "pt"})
-        return
     shard_names: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = total = 0

@@ -6,7 +6,7 @@ training starts from the base model exactly. Everything else is frozen too, but 
 (e.g. the embeddings and lm_head, for new tokens), which train in full.
 
 * Storage: a frozen parameter is kept in the compute dtype (fsdp.param_dtype: no float32 master
-  copy), gets no gradient, no optimizer state and no place in the checkpoints (`trainable_state`);
+  copy), gets no gradient, no optimizer state and no place in the checkpoints (`trained_state`);
   the base is read again from the model's files when a run resumes. The adapters and the modules
   to save keep float32 masters and AdamW moments, like full fine-tuning.
 * Names: a `LoRALinear` takes the Linear's place and keeps its `weight` and `bias` under their own
@@ -62,9 +62,6 @@ class LoRALinear(nn.Module):
             weight = checkpoint(_dequantized, weight, x.dtype, use_reentrant=False)
         return F.linear(x, weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A: what the adapter adds, folded into the base weight."""
-        return self.weight + self.scaling * (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype)
 
 
 # Bytes per frozen parameter of a 4-bit NormalFloat base (lora.base: nf4, torchao's NF4Tensor): 4 bits
@@ -81,6 +78,11 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int, device: torch.
     generator = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
     bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) of nn.Linear: U(-1/sqrt(in), 1/sqrt(in))
     return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
+
+
+def adapter_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """(alpha / r) B A in float32: what an adapter adds to its base weight when merged."""
+    return (scaling * lora_b.float()) @ lora_a.float()
 
 
 def is_adapter(name: str) -> bool:
@@ -113,10 +115,9 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
     if not cfg.enabled:
         return None
     targets = _targets(blocks, cfg.target_modules)
-    linears = sorted({attr for block in blocks for parent in block.modules() for attr, child in parent.named_children()
-                      if type(child) is nn.Linear})
     missing = [name for name in cfg.target_modules if name != "all-linear" and name not in targets]
     if missing or not targets:
+        linears = sorted(_targets(blocks, ["all-linear"]))
         raise LoRAError(f"lora.target_modules={cfg.target_modules}: {', '.join(missing) or 'nothing'} names no Linear "
                         f"layer of the decoder blocks; they have {', '.join(linears)} (or all-linear)")
     saved = [name for name, _ in model.named_modules() if any(_names(name, save) for save in cfg.modules_to_save)]

@@ -254,9 +254,9 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
                        "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
     active = active_parameters(model)
+    layout = LAYOUTS[config.model_type]
     blocks = []
     for name, block in sparse:
-        layout = LAYOUTS[config.model_type]
         getattr(block, layout.router).requires_grad_(cfg.train_router)
         ours = SparseMoE(block, layout, config.num_experts_per_tok,
                          getattr(config, "norm_topk_prob", True),  # Mixtral always renormalises
