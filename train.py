@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))
-    # One named mesh for every axis: FSDP, context parallelism and the data-parallel ranks.
-    dims = ParallelDims(env.world_size, cfg.fsdp.replicate_degree, cfg.cp.degree, env.rank).build(env.device.type)
+    # One named mesh for every axis: FSDP, context and expert parallelism, the data-parallel ranks.
+    dims = ParallelDims.of(cfg, env.world_size, env.rank).build(env.device.type)
     # The run directory is locked and checked, but nothing in it changes until everything below
     # has loaded: a run that fails to start leaves the previous one exactly as it was.
     run = RunDirectory(cfg, env)

@@ -46,6 +46,9 @@
 #             tokens per GPU, real routing; ac 0 and ac 1 with the planner's prediction each, then the peer
 #             (scripts/trl_moe_bench.py: TRL + transformers 5, bf16 weights) on the same shapes, full AC and
 #             none (PEER_AC="full none"), in the same call. ONLY=regex picks our runs. Needs the TRL wheels in .whl/
+#   ep30b     issue #36, for 2 GPUs: the same stand-in at 4 rows x 4096 tokens per GPU without and with expert
+#             parallelism (moe.ep_degree=NGPU; TRACE=1 profiles it at steps 9-10), and with it at 2 rows; then the
+#             peer at 4 and 2 rows (PEER_BS), without AC (PEER_AC; its faster variant at both sizes in #26)
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
 #             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
@@ -110,6 +113,35 @@ ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with th
   done
   [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup "${WARMUP:-4}" | tee "runs/bench/$stage.md"
   echo "stage $stage took $((SECONDS - t_stage)) s"
+}
+
+moe_standin() {  # the Qwen3-30B-A3B stand-in: its widths with MOE_BLOCKS (default 10) of its 48 blocks; prints its dir
+  local blocks=${MOE_BLOCKS:-10} moe=/tmp/qwen3-30b-a3b-${MOE_BLOCKS:-10}blocks
+  mkdir -p "$moe"
+  python3 -c "import json, sys; c = json.load(open('configs/models/qwen3-30b-a3b/config.json'))
+c.update(num_hidden_layers=int(sys.argv[2]), max_window_layers=int(sys.argv[2])); json.dump(c, open(sys.argv[1] + '/config.json', 'w'), indent=2)" \
+    "$moe" "$blocks"
+  echo "$moe"
+}
+
+moe_loads() {  # moe_loads RUN_DIR...: the last step's MoE metrics (real routing is unbalanced)
+  for run in "$@"; do
+    tail -1 "$run/metrics.jsonl" | python3 -c "import json, sys; e = json.loads(sys.stdin.read())
+print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [round(x, 2) for x in e['expert_load_max_over_mean']])" "$run"
+  done
+}
+
+peer_moe() {  # peer_moe MODEL_DIR ROWS_PER_GPU AC...: scripts/trl_moe_bench.py (TRL + transformers 5) on the same shapes
+  local moe=$1 bs=$2; shift 2
+  [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"
+  for ac in "$@"; do
+    local log="$LOGS/trl-moe30b-bs$bs-ac-$ac.log"
+    timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" scripts/trl_moe_bench.py train \
+      --model "$moe-hf" --ac "$ac" --bs "$bs" --steps "$STEPS" >"$log" 2>&1
+    echo "trl-moe30b-bs$bs-ac-$ac: exit $?"
+    if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/moe30b.md
+    else grep -iE "error|out of memory" "$log" | tail -3; fi
+  done
 }
 
 float8_applied() {  # float8_applied NAME: warn if a float8 run trained without converting anything
@@ -444,27 +476,23 @@ PY
       ;;
     moe30b)  # our runs and the peer's on one checkpoint's shapes (the peer needs the weights on disk)
       p7b_data
-      blocks=${MOE_BLOCKS:-10} moe=/tmp/qwen3-30b-a3b-${MOE_BLOCKS:-10}blocks
-      mkdir -p "$moe"
-      python3 -c "import json, sys; c = json.load(open('configs/models/qwen3-30b-a3b/config.json'))
-c.update(num_hidden_layers=int(sys.argv[2]), max_window_layers=int(sys.argv[2])); json.dump(c, open(sys.argv[1] + '/config.json', 'w'), indent=2)" \
-        "$moe" "$blocks"
+      moe=$(moe_standin)
       ac_runs moe30b <<RUNS
-moe30b-${blocks}b-ac0 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0
-moe30b-${blocks}b-ac1 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=1
+moe30b-${MOE_BLOCKS:-10}b-ac0 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0
+moe30b-${MOE_BLOCKS:-10}b-ac1 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=1
 RUNS
-      for run in runs/bench/moe30b-*; do  # the last step's MoE metrics: real routing is unbalanced
-        tail -1 "$run/metrics.jsonl" | python3 -c "import json, sys; e = json.loads(sys.stdin.read())
-print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [round(x, 2) for x in e['expert_load_max_over_mean']])" "$run"
-      done
-      [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"
-      for ac in ${PEER_AC:-full none}; do
-        timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" scripts/trl_moe_bench.py train \
-          --model "$moe-hf" --ac "$ac" --steps "$STEPS" >"$LOGS/trl-moe30b-ac-$ac.log" 2>&1
-        echo "trl-moe30b-ac-$ac: exit $?"
-        if grep -q RESULT "$LOGS/trl-moe30b-ac-$ac.log"; then grep RESULT "$LOGS/trl-moe30b-ac-$ac.log" | tee -a runs/bench/moe30b.md
-        else grep -iE "error|out of memory" "$LOGS/trl-moe30b-ac-$ac.log" | tail -3; fi
-      done ;;
+      moe_loads runs/bench/moe30b-*
+      peer_moe "$moe" 2 ${PEER_AC:-full none} ;;
+    ep30b)  # issue #36: the stand-in with expert parallelism (ep 2) and without, 2 and 4 rows per GPU, and the peer
+      p7b_data
+      moe=$(moe_standin)
+      ac_runs ep30b <<RUNS
+ep30b-ep1-mb4 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0 train.micro_batch_size=4
+ep30b-ep2-mb4 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0 train.micro_batch_size=4 moe.ep_degree=$NGPU ${TRACE:+logging.profile_steps=[9,10]}
+ep30b-ep2-mb2 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0 moe.ep_degree=$NGPU
+RUNS
+      moe_loads runs/bench/ep30b-*
+      for bs in ${PEER_BS:-4 2}; do peer_moe "$moe" "$bs" ${PEER_AC:-none}; done ;;
     lora)
       p7b_data
       LORA="lora.rank=16 lora.alpha=32" TRACED=${TRACE:+logging.profile_steps=[9,10]}

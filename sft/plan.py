@@ -252,7 +252,7 @@ def this_machine_mem_gib() -> float:
 
 def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
     """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
-    return m.gpus_on_a_node * host_bytes_per_rank(s, dims_of(cfg, m.gpus).shard_ranks,
+    return m.gpus_on_a_node * host_bytes_per_rank(s, ParallelDims.of(cfg, m.gpus).shard_ranks,
                                                   cfg.checkpoint.stages_in_host_memory) / GIB
 
 
@@ -291,17 +291,12 @@ def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
-def dims_of(cfg: Config, gpus: int) -> ParallelDims:
-    """The layout `cfg`'s degrees give `gpus` GPUs (one clear error where they do not divide)."""
-    return ParallelDims(gpus, cfg.fsdp.replicate_degree, cfg.cp.degree)
-
-
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
     """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
     split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
     tokens = micro_batch * -(-cfg.data.max_seq_len // cfg.cp.degree)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
-    return peak_bytes(s, dims_of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
+    return peak_bytes(s, ParallelDims.of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
                       cfg.precision.float8 != "none", ac_mode, cfg.cp.degree) / GIB
 
@@ -316,7 +311,7 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     fsdp.cpu_offload, the host (no setting here changes that)."""
     if host_problem(s, cfg, m):
         return None
-    dims = dims_of(cfg, m.gpus)
+    dims = ParallelDims.of(cfg, m.gpus)
     global_batch, data_parallel = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps), dims.dp_size
     fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
              MODES.index(mode), ratio, mode)
@@ -369,7 +364,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     s = Shapes.of(model, cfg.lora)
     active = f" ({s.active_params / 1e9:.2f}B active: {s.top_k} of {s.experts} experts per token)" if s.experts else ""
     lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters{active}, {s.layers} blocks, {m.gpus} GPUs "
-             f"({dims_of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
+             f"({ParallelDims.of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
@@ -396,7 +391,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     choice = suggest(s, cfg, m)
     if choice:
         _, _, micro, accum = choice
-        lines.append(f"suggested: {as_overrides(*choice)} (global batch {dims_of(cfg, m.gpus).global_batch(micro, accum)})")
+        lines.append(f"suggested: {as_overrides(*choice)} (global batch {ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
     degree = smallest_cp(s, cfg, m)

@@ -30,7 +30,7 @@ from sft.models.build import build_meta_model, clean_name, decoder_blocks, mater
 from sft.models.weights import initial_weights, load_weights
 from sft.models.lora import apply_lora, is_adapter, is_nf4
 from sft.models.moe import apply_moe
-from sft.training.optim import build_optimizer
+from sft.training.optim import build_optimizer, clip_grad_norm
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 
@@ -73,9 +73,12 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--zero2", action="store_true", help="fsdp.reshard_after_forward=false")
     p.add_argument("--deferred-sync", action="store_true", help="fsdp.sync_grads_each_microbatch=false")
     p.add_argument("--cp", type=int, default=1, help="cp.degree")
+    p.add_argument("--ep", type=int, default=1, help="moe.ep_degree")
     p.add_argument("--packed", action="store_true", help="each micro-batch's samples packed into one row of 128")
     p.add_argument("--leakage-probe", action="store_true",
                    help="instead of a step: the loss of a packed row's last document as earlier ones change")
+    p.add_argument("--empty-experts-probe", action="store_true",
+                   help="instead of a step: expert parallelism with every row routed to rank 0's experts")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
     p.add_argument("--attn", default="sdpa", help="model.attn_implementation (gpt-oss: eager)")
@@ -160,6 +163,8 @@ def local(param: torch.Tensor) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace, env) -> dict:
+    if args.empty_experts_probe:
+        return empty_experts_probe(env)
     torch.manual_seed(0)
     samples = synthetic_global_batch(args.global_batch)
     model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random",
@@ -185,9 +190,9 @@ def run(args: argparse.Namespace, env) -> dict:
         result["supervised_tokens"] = (batch["labels"][:, 1:] != -100).sum().item()
         named = dict(model.named_parameters())
     else:
-        moe = apply_moe(model, MoEConfig())
+        moe = apply_moe(model, MoEConfig(ep_degree=args.ep))
         apply_lora(model, decoder_blocks(model), LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base), DTYPES[args.param_dtype])
-        dims = ParallelDims(env.world_size, args.replicate, args.cp, env.rank).build(env.device.type)
+        dims = ParallelDims(env.world_size, args.replicate, args.cp, args.ep, env.rank).build(env.device.type)
         parallelize(model, decoder_blocks(model), dims, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                                reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, moe)
@@ -228,8 +233,7 @@ def run(args: argparse.Namespace, env) -> dict:
         result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]
         result["frozen_with_grads"] = [n for n, p in named.items() if not p.requires_grad and p.grad is not None]
         result["expert_placements"] = sorted({str(p.placements) for n, p in named.items() if ".experts." in n and p.dim() == 3})
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
-        result["grad_norm"] = full(norm).item()
+        result["grad_norm"] = clip_grad_norm(model, None).item()
         optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
         optimizer.step()
         result["moment_dtypes"] = sorted({str(v.to_local().dtype) for s in optimizer.state.values()
@@ -288,6 +292,50 @@ def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
     base = last_document_loss(first, second, last)
     return {"base": base, "earlier_changed": last_document_loss(other_first, other_second, last),
             "own_changed": last_document_loss(first, second, [(last[0] + 1) % 800, *last[1:]])}
+
+
+def empty_experts_probe(env) -> dict:
+    """4 experts on 2 ep ranks; each rank's 12 rows all routed to experts 0 and 1 (rank 0's). The
+    outputs and gradients across ranks against the whole experts run where the rows are (the
+    gradients summed over the ranks' rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from sft.models.moe import LAYOUTS, GroupedExperts, run_local_experts
+    from sft.parallel.expert_parallel import _shard_by_expert, run_experts_across_ranks
+
+    def experts() -> GroupedExperts:
+        torch.manual_seed(0)
+        hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
+        for param in hf.parameters():
+            torch.nn.init.normal_(param, std=0.2)
+        return GroupedExperts(hf, LAYOUTS["qwen3_moe"])
+
+    generator = torch.Generator().manual_seed(env.rank)
+    ids = torch.randint(0, 2, (12,), generator=generator).sort().values
+    rows = torch.randn(12, 16, generator=generator)
+    whole = experts()
+    expected = run_local_experts(whole, rows, ids, 4)
+    expected.square().sum().backward()
+    mesh = init_device_mesh("cpu", (2,))
+    spread = experts()
+    _shard_by_expert(spread, mesh)
+    received = torch.zeros(2)
+    spread.register_forward_pre_hook(lambda _, inputs: received.__setitem__(env.rank, inputs[0].shape[0]))
+    sent = run_experts_across_ranks(spread, rows, ids, 4, mesh.get_group())
+    sent.square().sum().backward()
+    result = {"max_output_error": all_reduce_sum([(sent - expected).abs().max().item()], env.device).item(),
+              "received_rows": [int(x) for x in all_reduce_sum(received, env.device)]}
+    grad_error, rank1_sum = 0.0, 0.0
+    for name, param in spread.named_parameters():
+        total = all_reduce_sum(whole.get_parameter(name).grad, env.device)  # every rank's rows
+        mine = param.grad.to_local()
+        grad_error = max(grad_error, (mine - total.chunk(2)[env.rank]).abs().max().item())
+        rank1_sum += all_reduce_sum(mine.abs().sum() * (env.rank == 1), env.device).item()
+    result["max_grad_error"] = all_reduce_sum(torch.tensor([grad_error]), env.device).item()
+    result["rank1_grad_abs_sum"] = rank1_sum
+    return result
 
 
 if __name__ == "__main__":

@@ -253,6 +253,17 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
     assert kept == kept_bytes_per_token(shapes, compiled=True, mode=mode) == per_token
 
 
+@pytest.mark.slow
+def test_expert_parallel_rank_whose_experts_get_no_row_takes_part(runs):
+    """Every row of both ranks routed to rank 0's experts: rank 1 receives nothing yet takes part in
+    both all-to-alls; outputs and expert gradients equal the experts computed where the rows are
+    (rank 1's gradients are zeros, not missing)."""
+    probe = runs("ep: one rank's experts get no row")
+    assert probe["received_rows"] == [24, 0]
+    assert probe["max_output_error"] < 1e-6 and probe["max_grad_error"] < 1e-5
+    assert probe["rank1_grad_abs_sum"] == 0.0
+
+
 # Mixture of experts (tiny Qwen3-MoE, 8 experts, top 2): (name, model, ranks, dist_worker flags). The
 # references are Hugging Face's model (its per-expert loop, its load_balancing_loss_func with padding
 # masked) on the same micro-batches of 2 samples (tests/dist_worker.py:moe_reference).
@@ -268,13 +279,25 @@ MOE_RUNS = [
     # gpt-oss: transposed experts, interleaved gate/up, biases, attention sinks (eager attention)
     ("gpt-oss reference", "gpt-oss", 1, ["--reference", "--micro-batch", "2", "--attn", "eager"]),
     ("gpt-oss 2 ranks, grad-acc 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager"]),
+    # Expert parallelism: 4 of the 8 experts per rank, rows sent across (sft/parallel/expert_parallel.py)
+    ("moe ep 2", "moe", 2, ["--grad-accum", "2", "--ep", "2"]),
+    ("moe ep 2, packed rows", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--packed"]),
+    ("moe ep 2, ops_half, ratio 1", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--ac-ratio", "1",
+                                               "--ac-mode", "ops_half"]),
+    ("moe ep 2, blocks, ratio 1", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--ac-ratio", "1"]),
+    ("moe ep 2 x fsdp 2", "moe", 4, ["--ep", "2"]),  # each ep rank's 4 experts FSDP-sharded over 2 ranks
+    ("moe ep 4", "moe", 4, ["--ep", "4"]),
+    ("gpt-oss ep 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager", "--ep", "2"]),
+    ("ep: one rank's experts get no row", "moe", 2, ["--empty-experts-probe"]),
 ]
 # (reference, run). The gradients' atol is 1e-6, not the dense rows' 1e-7: gradients summed over every
 # token (embeddings, biases) reach their sums in another order than Hugging Face's per-expert loop and
 # differ by up to ~2e-7 in float32 (seen on an embedding row and a gpt-oss attention bias); rtol stays 1e-5.
 MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference", "moe 2 ranks, grad-acc 2"),
                   ("moe reference", "moe packed rows"), ("moe 1 expert reference", "moe 1 expert, 2 ranks"),
-                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2")]
+                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2"), ("moe reference", "moe ep 2"),
+                  ("moe reference", "moe ep 2, packed rows"), ("moe reference", "moe ep 2 x fsdp 2"),
+                  ("moe reference", "moe ep 4"), ("gpt-oss reference", "gpt-oss ep 2")]
 
 
 @pytest.mark.slow
@@ -293,25 +316,35 @@ def test_moe_equals_hf_reference(runs, reference, name):
 
 @pytest.mark.slow
 def test_expert_weights_shard_over_experts_or_their_rows(runs):
-    """8 experts on 2 ranks: 4 experts each (Shard(0)); 1 expert on 2 ranks: half its rows each (Shard(1))."""
+    """8 experts on 2 ranks: 4 experts each (Shard(0)); 1 expert on 2 ranks: half its rows each
+    (Shard(1)). Expert parallelism: sharded by expert over the ep ranks (the second axis), each ep
+    rank's experts sharded again over the ranks orthogonal to it (the first; 1 rank under ep 4)."""
     assert runs("moe 2 ranks, grad-acc 2")["expert_placements"] == ["(Shard(dim=0),)"]
     assert runs("moe 1 expert, 2 ranks")["expert_placements"] == ["(Shard(dim=1),)"]
+    assert runs("moe ep 2 x fsdp 2")["expert_placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
+    assert runs("moe ep 4")["expert_placements"] == ["(_StridedShard(dim=0, sf=4), Shard(dim=0))"]
 
 
 @pytest.mark.slow
 def test_moe_aux_loss_is_layout_invariant(runs):
-    """(1 rank, grad-acc 4) and (2 ranks, grad-acc 2) on one global batch: the same aux loss and grad
-    norm (no factor of world size or of grad-accum steps)."""
-    one, two = runs("moe 1 rank, grad-acc 4"), runs("moe 2 ranks, grad-acc 2")
+    """(1 rank, grad-acc 4), (2 ranks, grad-acc 2) and the ep degrees 2 and 4 on one global batch: the
+    same aux loss and grad norm (no factor of world size, grad-accum steps or ep degree)."""
+    one = runs("moe 1 rank, grad-acc 4")
     assert one["aux_loss"] > 0
-    assert two["aux_loss"] == pytest.approx(one["aux_loss"], rel=1e-6)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)  # float32 sums in another order
+    for name in ("moe 2 ranks, grad-acc 2", "moe ep 2", "moe ep 2 x fsdp 2", "moe ep 4"):
+        assert runs(name)["aux_loss"] == pytest.approx(one["aux_loss"], rel=1e-6), name
+        assert runs(name)["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), name  # float32 sums in another order
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["moe blocks, ratio 1", "moe ops_half, ratio 1"])
-def test_moe_recompute_routes_as_forward(runs, name):
-    plain, ac = runs("moe 2 ranks, grad-acc 2"), runs(name)
+@pytest.mark.parametrize("plain, name", [("moe 2 ranks, grad-acc 2", "moe blocks, ratio 1"),
+                                         ("moe 2 ranks, grad-acc 2", "moe ops_half, ratio 1"),
+                                         ("moe ep 2", "moe ep 2, blocks, ratio 1"),
+                                         ("moe ep 2", "moe ep 2, ops_half, ratio 1")])
+def test_moe_recompute_routes_as_forward(runs, plain, name):
+    """Checkpointed blocks reuse the forward's routing (and, under expert parallelism, its all-to-alls,
+    with an FSDP unit of experts inside the block): bitwise the gradients without checkpointing."""
+    plain, ac = runs(plain), runs(name)
     assert ac["loss"] == plain["loss"] and ac["aux_loss"] == plain["aux_loss"]
     for param in plain["grads"]:
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param

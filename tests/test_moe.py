@@ -17,7 +17,8 @@ from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.training.metrics import read_metrics
 from sft.models.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
-from sft.models.moe import SparseMoE, _per_expert_linear, apply_moe, expert_outputs, grouped_linear
+from sft.models.moe import (LAYOUTS, GroupedExperts, SparseMoE, _per_expert_linear, apply_moe, expert_outputs,
+                            grouped_linear)
 from sft.parallel.activation_checkpointing import apply_ac
 
 
@@ -54,9 +55,9 @@ def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
-    """apply_moe puts a module of ours in each sparse block's place: the parameter names (checkpoints,
-    hub files) are the model's, the Hugging Face modules carry no state of ours and keep their own
-    forward, and the handle holds the blocks."""
+    """apply_moe puts modules of ours in each sparse block's place (the block, its experts): the
+    parameter names (checkpoints, hub files) are the model's, the Hugging Face modules carry no
+    state of ours and keep their own forward, and the handle holds the blocks."""
     model = _hf_model() if arch == "qwen3_moe" else _hf_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
     names = [name for name, _ in model.named_parameters()]
     forwards = {name: type(module).forward for name, module in model.named_modules()}
@@ -64,8 +65,9 @@ def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
     assert [name for name, _ in model.named_parameters()] == names
     ours = [module for module in model.modules() if isinstance(module, SparseMoE)]
     assert len(ours) == len(moe.blocks) == model.config.num_hidden_layers and ours == moe.blocks
+    assert all(isinstance(block.experts, GroupedExperts) for block in ours)
     for name, module in model.named_modules():
-        if not isinstance(module, SparseMoE):
+        if not isinstance(module, SparseMoE | GroupedExperts):
             assert not [key for key in vars(module) if key.startswith("_sft") or key == "forward"], name
             assert type(module).forward is forwards[name], name
 
@@ -77,7 +79,9 @@ def test_experts_dispatch_and_combine_equal_hf_eager():
     x = torch.randn(24, model.config.hidden_size)
     _, top_w, top_i = block.gate(x)
     expected = block.experts(x, top_i, top_w)  # HF's eager loop
-    torch.testing.assert_close(expert_outputs(block.experts, x, top_w, top_i), expected, rtol=1e-5, atol=1e-6)
+    ours = GroupedExperts(block.experts, LAYOUTS["qwen3_moe"])
+    torch.testing.assert_close(expert_outputs(ours, x, top_w, top_i, model.config.num_experts), expected,
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half", "attention"])
@@ -86,7 +90,7 @@ def test_checkpoint_recomputation_does_not_route_again(mode):
     routing decision is saved (the 2-rank rows check the gradients are bitwise those without AC)."""
     model = _hf_model()
     router = apply_moe(model, MoEConfig())
-    apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode), always_kept=router.routing_ops)
+    apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode), always_kept=router.kept_ops)
     ids = torch.randint(0, 800, (2, 16))
     router.begin_step(torch.tensor(32.0))
     router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
@@ -141,10 +145,11 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
 
 @pytest.mark.slow
 def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
-    """train.py on configs/demo_moe.yaml, 2 ranks: the loss falls; metrics.jsonl has the aux loss and
-    each layer's expert load; a run resumed from step 3 repeats steps 4-6 exactly (loss, grad norm,
-    aux loss); the export has one tensor per expert and reloads in transformers to the checkpoint's
-    weights."""
+    """train.py on configs/demo_moe.yaml, 2 ranks, expert parallel (moe.ep_degree=2): the loss falls;
+    metrics.jsonl has the aux loss and each layer's expert load; a run resumed from step 3 repeats
+    steps 4-6 exactly (loss, grad norm, aux loss), and one resumed without expert parallelism
+    continues from the same state (DCP reshards the experts; sums in another order); the export
+    has one tensor per expert and reloads in transformers to the checkpoint's weights."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -154,10 +159,15 @@ def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
                       f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=6", "eval.every_steps=0",
                       *overrides], nproc=2)
 
-    train("whole", "checkpoint.every_steps=3", "checkpoint.export_hf=true")
-    train("resumed", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}")
+    train("whole", "checkpoint.every_steps=3", "checkpoint.export_hf=true", "moe.ep_degree=2")
+    train("resumed", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}", "moe.ep_degree=2")
+    train("resumed at ep 1", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}")
     whole, _ = read_metrics(tmp_path / "whole")
     resumed, _ = read_metrics(tmp_path / "resumed")
+    at_ep1, _ = read_metrics(tmp_path / "resumed at ep 1")
+    for step in (4, 5, 6):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert at_ep1[step][key] == pytest.approx(whole[step][key], rel=1e-5), (step, key)
     assert whole[6]["loss"] < 0.9 * whole[1]["loss"]
     assert len(whole[1]["expert_load_cv"]) == len(whole[1]["dead_experts"]) == 4 and whole[1]["aux_loss"] > 0
     for step in (4, 5, 6):

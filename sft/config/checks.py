@@ -60,6 +60,9 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
     check(cfg.cp.degree >= 1, "cp.degree", cfg.cp.degree, "must be >= 1 (1 = no context parallelism)")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
+    check(cfg.moe.ep_degree == 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and not cfg.lora.enabled),
+          "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
+          "fsdp.replicate_degree > 1 or LoRA yet; set moe.ep_degree=1")
     check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
           "must be >= 0, or null for the model's router_aux_loss_coef")
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")

@@ -227,6 +227,14 @@ class MoEConfig:
     """Compute router logits, softmax and top-k in float32 from the upcast hidden states and gathered
     router weight (under fsdp.param_dtype=bfloat16 that weight is its bf16-rounded copy), so close
     scores pick experts as a float32 model would; false computes the logits in fsdp.param_dtype."""
+    ep_degree: int = 1
+    """Expert parallelism: each of this many consecutive ranks holds 1/ep_degree of every MoE
+    block's experts (whole experts, FSDP-sharded over the other ranks) and the tokens routed to
+    them are sent there and back (dropless: all-to-all of exactly the routed rows, one host sync
+    per block forward for the split sizes). 1 turns it off: the experts are FSDP-sharded like
+    every other weight and all-gathered in every block. Must divide the ranks and the number of
+    experts; checkpoints resume at any degree. Not with LoRA, cp.degree > 1 or
+    fsdp.replicate_degree > 1 yet."""
 
 
 @dataclass

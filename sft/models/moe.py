@@ -9,19 +9,21 @@ in each such block's place: it holds the block's router and experts under their 
 parameter names, checkpoints and hub files are the model's) and computes it:
 
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
-* sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows with
-  `grouped_mm` on the block's gathered weights (bf16 under fsdp.param_dtype=bfloat16, never the
+* sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows
+  (`GroupedExperts`, which owns the expert weights) with `grouped_mm` on the gathered weights (bf16 under fsdp.param_dtype=bfloat16, never the
   float32 masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity,
   no dropped token, and every shape depends only on the number of tokens, so a compiled block sees
   one graph (dynamic in the token count) and no graph break. Where the kernel cannot run (float32
   weights, e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the
-  experts with the same sorted rows (a host sync; excluded from compile);
+  experts with the same sorted rows (a host sync; excluded from compile). Under expert
+  parallelism (moe.ep_degree) the sorted rows travel to the rank holding their expert and back:
+  sft/parallel/expert_parallel.py;
 * adds the load-balancing loss's gradient without returning it (`_AddAuxLossGrad`), and keeps the
   step's expert loads for the metrics.
 
 `apply_moe` returns the `MoE` handle the recipe passes to whatever needs the experts: parallelize
 (their FSDP placement; activation checkpointing must not re-route, so the top-k op's outputs are
-saved under every policy: `MoE.routing_ops`, so recomputation reuses the forward's choice), the loss
+saved under every policy: `MoE.kept_ops`, so recomputation reuses the forward's choice), the loss
 (the load-balancing term's per-step scale and per-micro-batch mask) and the metrics (expert loads,
 active parameters).
 
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from sft.config import MoEConfig
@@ -133,35 +136,70 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     return _per_expert_linear(x, weight, ends)
 
 
-def _gpt_oss_glu(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's clamped SwiGLU on interleaved gate/up columns (its experts' own formula)."""
-    limit = experts.limit
-    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
-    return (up + 1) * gate * torch.sigmoid(gate * getattr(experts, "alpha", 1.702))
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a weight: under expert parallelism (sft/parallel/expert_parallel.py)
+    the gathered weight is a DTensor over the ep ranks, sharded by expert."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def expert_outputs(experts: nn.Module, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-                   layout: ExpertLayout = LAYOUTS["qwen3_moe"]) -> torch.Tensor:
-    """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless."""
-    tokens, k = top_i.shape
-    num_experts = experts.gate_up_proj.shape[0]
-    flat = top_i.reshape(-1)
-    # Stable sort: within an expert, rows keep token order, so results do not depend on the sort.
-    sorted_ids, order = flat.sort(stable=True)
-    ends = torch.searchsorted(sorted_ids, torch.arange(1, num_experts + 1, device=flat.device,
-                                                       dtype=sorted_ids.dtype)).to(torch.int32)
-    rows = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)[order]
-    gate_up = grouped_linear(rows, experts.gate_up_proj, ends, layout.transposed)
-    if layout.biased:
-        gate_up = gate_up + experts.gate_up_proj_bias[sorted_ids]
-    if layout.interleaved:
-        hidden = _gpt_oss_glu(experts, gate_up)
-    else:
+class GroupedExperts(nn.Module):
+    """A block's experts, run on rows sorted by expert. It takes over the Hugging Face module's
+    weights under their own names (`gate_up_proj`, `down_proj`, gpt-oss's biases), so parameter
+    names, checkpoints and hub files stay the model's. A module of its own, called once the rows
+    are sorted (and, under expert parallelism, have arrived), so that FSDP can gather its weights
+    then, over the ranks that shard them."""
+
+    def __init__(self, experts: nn.Module, layout: ExpertLayout):
+        super().__init__()
+        for name, param in experts.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.layout = layout
+        if layout.interleaved:  # gpt-oss's clamped SwiGLU
+            self.limit, self.alpha = experts.limit, getattr(experts, "alpha", 1.702)
+        else:
+            self.act_fn = experts.act_fn
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.layout.interleaved:  # gpt-oss: gate/up interleaved, clamped, (up + 1) * gate * sigmoid(alpha gate)
+            gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = experts.act_fn(gate) * up
-    out_sorted = grouped_linear(hidden, experts.down_proj, ends, layout.transposed)
-    if layout.biased:
-        out_sorted = out_sorted + experts.down_proj_bias[sorted_ids]
+        return self.act_fn(gate) * up
+
+    def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert's SwiGLU: rows sorted by (this rank's) expert, `expert_ids`
+        their experts, `ends[e]` the end row of expert e (int32)."""
+        transposed = self.layout.transposed
+        gate_up = grouped_linear(rows, _local(self.gate_up_proj), ends, transposed)
+        if self.layout.biased:
+            gate_up = gate_up + _local(self.gate_up_proj_bias)[expert_ids]
+        out = grouped_linear(self._glu(gate_up), _local(self.down_proj), ends, transposed)
+        if self.layout.biased:
+            out = out + _local(self.down_proj_bias)[expert_ids]
+        return out
+
+
+def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ends[e] = the end row of expert e in rows sorted by expert (int32, on the device: no sync)."""
+    experts = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts).to(torch.int32)
+
+
+def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, sorted_ids: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """Rows sorted by expert through their experts, all of which this rank holds."""
+    return experts(rows, sorted_ids, expert_ends(sorted_ids, num_experts))
+
+
+def expert_outputs(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                   num_experts: int, run_experts=run_local_experts) -> torch.Tensor:
+    """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless. `run_experts`
+    takes the rows sorted by expert to their experts and back (here, or across the ep ranks)."""
+    tokens, k = top_i.shape
+    # Stable sort: within an expert, rows keep token order, so results do not depend on the sort.
+    sorted_ids, order = top_i.reshape(-1).sort(stable=True)
+    rows = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)[order]
+    out_sorted = run_experts(experts, rows, sorted_ids, num_experts)
     # Back to (token, slot) order with a permutation (no atomics), then a sum over the k slots.
     out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
     return (out.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
@@ -198,8 +236,12 @@ class SparseMoE(nn.Module):
             raise MoEError(f"{type(block).__name__} holds {sorted(children)}: a sparse block of this form (besides its "
                            f"router '{layout.router}' and experts) is not supported")
         for name, child in block.named_children():  # in the block's order: the model's parameter order
-            self.add_module(name, child)
+            self.add_module(name, GroupedExperts(child, layout) if name == "experts" else child)
         self.layout, self.top_k, self.norm_topk, self.router_fp32 = layout, top_k, norm_topk, router_fp32
+        self.num_experts = self.experts.gate_up_proj.shape[0]
+        # How rows sorted by expert reach their experts: here, or across the ep ranks
+        # (sft/parallel/expert_parallel.py sets it).
+        self.run_experts = run_local_experts
         self.real_tokens: torch.Tensor | None = None
         self.aux_scale: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None
@@ -224,7 +266,7 @@ class SparseMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         probs, top_w, top_i = self._routing(x)
-        out = expert_outputs(self.experts, x, top_w, top_i, self.layout)
+        out = expert_outputs(self.experts, x, top_w, top_i, self.num_experts, self.run_experts)
         real = self.real_tokens
         if real is not None and torch.is_grad_enabled():
             num_experts = probs.shape[-1]
@@ -248,8 +290,14 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
     their switches; return the handle the recipe passes on, None for a dense model."""
     sparse = _moe_blocks(model)
     if not sparse:
+        if cfg.ep_degree > 1:
+            raise MoEError(f"moe.ep_degree={cfg.ep_degree}: {type(model).__name__} has no mixture-of-experts blocks; "
+                           "set moe.ep_degree=1")
         return None
     config = model.config.get_text_config()
+    num_experts = sparse[0][1].experts.gate_up_proj.shape[0]
+    if num_experts % cfg.ep_degree:
+        raise MoEError(f"moe.ep_degree={cfg.ep_degree}: must divide the {num_experts} experts of each MoE block")
     if getattr(config, "router_jitter_noise", 0):
         raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
                        "makes routing random, which checkpoint recomputation cannot replay; set it to 0")
@@ -289,10 +337,14 @@ class MoE:
     token mask)` before its forward and `end_micro_batch()` after it (before its backward). The
     metrics all-reduce `step_stats()` once the step is done and log its `summary`, with MFU counted
     on `active_parameters`. Parallelize shards the experts by `shard_placement` and keeps
-    `routing_ops`' outputs under activation checkpointing."""
+    `kept_ops`' outputs under activation checkpointing."""
 
-    # The op whose outputs are the routing decision: saved, never recomputed, under checkpointing.
-    routing_ops = frozenset((torch.ops.aten.topk.default,))
+    # Ops whose outputs every checkpointing policy keeps: the top-k, the routing decision, which
+    # recomputation must reuse, and expert parallelism's all-to-alls (and their waits), so that
+    # recomputation does not send the tokens again.
+    kept_ops = frozenset((torch.ops.aten.topk.default, torch.ops._c10d_functional.all_to_all_single.default,
+                          torch.ops._c10d_functional_autograd.all_to_all_single.default,
+                          torch.ops._c10d_functional.wait_tensor.default))
 
     def __init__(self, blocks: list[SparseMoE], coef: float, active_parameters: int):
         self.blocks, self.coef, self.active_parameters = blocks, coef, active_parameters
@@ -300,12 +352,12 @@ class MoE:
         self._stats: torch.Tensor | None = None  # [layers, 1 + E]: aux term, expert loads
 
     @staticmethod
-    def shard_placement(shard_ranks: int):
-        """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when there are at
-        least as many experts as ranks, else on their output rows (Shard(1)), so no rank holds an
-        empty shard."""
+    def shard_placement(shard_ranks: int, ep: int = 1):
+        """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when a rank's
+        experts (all of them, or 1/ep under expert parallelism) are at least as many as the ranks
+        that shard them, else on their output rows (Shard(1)), so no rank holds an empty shard."""
         def placement(param: nn.Parameter) -> Shard | None:
-            if param.dim() == 3 and param.shape[0] < shard_ranks:
+            if param.dim() == 3 and param.shape[0] // ep < shard_ranks:
                 return Shard(1)
             return None  # FSDP's default, Shard(0)
         return placement

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sft.config import AC_MODES, ACMode
 from sft.distributed import log0
@@ -148,6 +148,11 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kep
 
     chosen = set(ac_block_indices(len(blocks), ac.ratio))
     mode = AC_MODES[ac.mode]
+    # An FSDP unit inside a checkpointed block (expert parallelism's experts) marks its hooks for the
+    # profiler a different number of times in forward and in recomputation, and selective
+    # checkpointing matches every op of the two by count. The marks compute nothing: not matched.
+    SAC_IGNORED_OPS.update((torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction))
     # Selective: the contexts tell autograd (or, compiled, the partitioner) which op outputs to keep.
     options = {}
     if mode.keep_every_matmul is not None or always_kept:

@@ -3,7 +3,7 @@ already divided by the global token count), from the compute stream's memory poo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,9 @@ from sft.config import DTYPES, FSDPConfig
 from sft.distributed import log0
 from sft.models.lora import nf4_parameters
 from sft.parallel.mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from sft.models.moe import MoE
 
 
 # torch 2.13 renamed reduce_scatter_tensor (which now warns) to reduce_scatter_single; 2.11 has only the former.
@@ -53,11 +56,12 @@ class GradientsInComputePool:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
-               shard_placement_fn: Callable | None = None) -> None:
+               moe: MoE | None = None) -> None:
     """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head), over
-    the mesh's shard ranks (and replicas). `shard_placement_fn`: how parameters are split (MoE
-    experts; sft/models/moe.py), dim 0 for the rest. QLoRA's NF4 weights stay whole on every rank
-    (sft/models/lora.py).
+    the mesh's shard ranks (and replicas). MoE experts are split by the handle's placement
+    (sft/models/moe.py), dim 0 for the rest; under expert parallelism each block's experts are a unit
+    of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py). QLoRA's
+    NF4 weights stay whole on every rank (sft/models/lora.py).
 
     Tied input/output embeddings are one parameter and both live in the root unit. The gradient
     divide factor is 1 on every unit: the loss is already divided by the global count of
@@ -66,10 +70,16 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cf
     options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                                        reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                   shard_placement_fn=shard_placement_fn, ignored_params=nf4_parameters(model))
+                   ignored_params=nf4_parameters(model))
     for i, block in enumerate(blocks):
+        if dims.ep_enabled and moe is not None:  # first: the block's unit then leaves them to this one
+            for sparse in (m for m in block.modules() if m in moe.blocks):
+                fully_shard(sparse.experts, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
+                            **{**options, "mesh": dims.expert_fsdp_mesh, "shard_placement_fn":
+                               moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep)})
         # The last block's parameters are needed again first thing in backward: keep them.
-        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1, **options)
+        fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
+                    shard_placement_fn=moe.shard_placement(dims.shard_ranks) if moe else None, **options)
     # None lets FSDP keep the root unsharded between forward and backward (an explicit True
     # would free and re-gather the embeddings and lm_head every step).
     fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)

@@ -1,6 +1,7 @@
 """How the ranks are laid out: one module builds every device mesh, from one world mesh.
 
     world = dp_replicate x dp_shard x cp                    (rank-major in that order)
+    experts: the ranks of a replica = efsdp x ep            (ep the consecutive ranks)
 
 * `dp_replicate` (fsdp.replicate_degree): HSDP's replicas; each holds the whole model, sharded over
   its own ranks (e.g. one replica per node, so all-gathers stay inside a node).
@@ -8,6 +9,11 @@
   `dp_shard_cp` axis of `fsdp_mesh`): context parallelism splits rows, not weights.
 * `cp` (cp.degree): the ranks that split each row's tokens, consecutive, so a cp group sits inside
   a node (`cp_mesh`).
+* `ep` (moe.ep_degree): expert parallelism. Each rank of an ep group holds 1/ep of every MoE
+  block's experts and the group's tokens travel to their experts (sft/models/moe.py); consecutive
+  ranks, so the all-to-alls stay inside a node. The expert weights are FSDP-sharded over the ranks
+  orthogonal to ep (`efsdp`, TorchTitan's dp_shard_mod_ep; `expert_fsdp_mesh`); everything else
+  stays sharded over all the ranks of a replica.
 * data parallelism: the ranks that read different rows, dp_replicate x dp_shard (`dp_rank`,
   `dp_size`); the ranks of a cp group read the same rows.
 
@@ -31,6 +37,8 @@ from sft.config import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from sft.config import Config
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -42,11 +50,22 @@ class ParallelDims:
     """fsdp.replicate_degree"""
     cp: int = 1
     """cp.degree"""
+    ep: int = 1
+    """moe.ep_degree"""
     rank: int = 0
     fsdp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """built: (dp_shard_cp,), or (dp_replicate, dp_shard_cp) with HSDP"""
     cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """built, with context parallelism: (cp,)"""
+    ep_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """built, with expert parallelism: (ep,)"""
+    expert_fsdp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """built, with expert parallelism: (efsdp,), the ranks that shard each ep rank's experts"""
+
+    @classmethod
+    def of(cls, cfg: Config, world_size: int, rank: int = 0) -> ParallelDims:
+        """The layout `cfg`'s degrees give `world_size` ranks (one clear error where they do not divide)."""
+        return cls(world_size, cfg.fsdp.replicate_degree, cfg.cp.degree, cfg.moe.ep_degree, rank)
 
     def __post_init__(self) -> None:
         for key, degree in (("fsdp.replicate_degree", self.replicate), ("cp.degree", self.cp)):
@@ -55,6 +74,9 @@ class ParallelDims:
         if self.world_size % (self.replicate * self.cp):
             raise ConfigError(f"fsdp.replicate_degree={self.replicate} x cp.degree={self.cp}: must divide the "
                               f"{self.world_size} ranks (each replica holds whole cp groups)")
+        if self.ep < 1 or self.shard_ranks % self.ep:
+            raise ConfigError(f"moe.ep_degree={self.ep}: must divide the {self.shard_ranks} ranks of a replica "
+                              "(1 turns it off)")
 
     @property
     def dp_size(self) -> int:
@@ -73,6 +95,10 @@ class ParallelDims:
     def shard_ranks(self) -> int:
         """The ranks FSDP shards the model over: one replica's."""
         return self.world_size // self.replicate
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def cp_enabled(self) -> bool:
@@ -94,7 +120,9 @@ class ParallelDims:
         fsdp = world._unflatten(0, (self.replicate, self.shard_ranks), ("dp_replicate", "dp_shard_cp")) \
             if self.replicated else world
         cp = world._unflatten(0, (self.dp_size, self.cp), ("dp", "cp"))["cp"] if self.cp_enabled else None
-        return dataclasses.replace(self, fsdp_mesh=fsdp, cp_mesh=cp)
+        ep = world._unflatten(0, (self.world_size // self.ep, self.ep), ("efsdp", "ep")) if self.ep_enabled else None
+        return dataclasses.replace(self, fsdp_mesh=fsdp, cp_mesh=cp, ep_mesh=ep and ep["ep"],
+                                   expert_fsdp_mesh=ep and ep["efsdp"])
 
     @property
     def cp_group_name(self) -> str:

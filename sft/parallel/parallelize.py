@@ -1,8 +1,9 @@
-"""Parallelise a meta-device model, in the fixed order: context parallelism -> float8 -> activation
-checkpointing -> compile -> FSDP2.
+"""Parallelise a meta-device model, in the fixed order: context parallelism -> expert parallelism ->
+float8 -> activation checkpointing -> compile -> FSDP2.
 
-The order matters: context parallelism only swaps the attention function, before anything wraps or
-compiles the blocks; float8 swaps the blocks' Linear modules, so it goes first, before anything
+The order matters: context parallelism only swaps the attention function, and expert parallelism
+places the experts on their ranks and swaps how rows reach them, before anything wraps or compiles
+the blocks (FSDP then shards the placed experts over the ranks orthogonal to ep); float8 swaps the blocks' Linear modules, so it goes first, before anything
 wraps the blocks (AC), traces them (compile) or takes over their parameters (FSDP; tensorwise float8
 weights then all-gather in float8). The checkpoint wrapper must be inside the compiled region so
 compile sees (and can optimise) the recomputation, and `fully_shard` goes last so its hooks wrap
@@ -20,6 +21,7 @@ from sft.distributed import log0
 from sft.models.float8 import apply_float8
 from sft.parallel.activation_checkpointing import apply_ac
 from sft.parallel.context_parallel import apply_context_parallel
+from sft.parallel.expert_parallel import apply_expert_parallel
 from sft.parallel.fsdp import apply_fsdp
 from sft.parallel.mesh import ParallelDims
 
@@ -37,15 +39,17 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
                 fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None) -> None:
-    """context parallelism -> float8 -> AC -> compile -> FSDP on a meta-device model, over the
-    mesh of `dims` (see the module docstring for why this order). `float8` is precision.float8;
-    `moe` the handle apply_moe returned (its routing is kept under checkpointing, its experts
-    sharded by its placement)."""
+    """context parallelism -> expert parallelism -> float8 -> AC -> compile -> FSDP on a meta-device
+    model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
+    precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
+    its experts placed by expert parallelism and sharded by its placement)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe=moe is not None)
+    if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
+        apply_expert_parallel(moe, dims)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks)
-    blocks = apply_ac(model, blocks, ac, always_kept=moe.routing_ops if moe else frozenset())
+    blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset())
     if compile_blocks:
         apply_compile(blocks)
-    apply_fsdp(model, blocks, dims, fsdp, moe.shard_placement(dims.shard_ranks) if moe else None)
+    apply_fsdp(model, blocks, dims, fsdp, moe)

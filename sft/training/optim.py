@@ -57,6 +57,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """Clip the global gradient norm to `max_norm` (None: only measure it); return the norm
-    before clipping as a plain tensor (FSDP2 gradients give a DTensor)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    before clipping as a plain tensor. The gradients of each mesh give one norm (DTensor norms take
+    one mesh at a time, and under expert parallelism the experts live on a mesh of their own), each
+    reduced over its ranks; the global norm is their norm."""
+    by_mesh: dict = {}
+    for param in (p for p in model.parameters() if p.grad is not None):
+        by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
+    groups, norms = list(by_mesh.values()), []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if max_norm:
+        for params in groups:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

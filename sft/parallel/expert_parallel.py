@@ -1,0 +1,91 @@
+"""Expert parallelism (moe.ep_degree): each rank of an ep group holds E/ep whole experts of every MoE
+block, and the rows routed to an expert travel to the rank that holds it and back.
+
+Placement (`apply_expert_parallel`, on the meta-device model before anything wraps the blocks):
+each block's expert weights become DTensors over the ep ranks, sharded by expert (Shard(0): ep rank
+r holds experts [r E/ep, (r+1) E/ep)); FSDP then shards each rank's experts over the ranks
+orthogonal to ep (sft/parallel/fsdp.py; the mesh: sft/parallel/mesh.py). The routers, attention
+and every other weight stay FSDP-sharded over all ranks. Checkpoints hold the global tensors
+(DCP reshards), so a run resumes at any ep degree.
+
+Dispatch (`run_experts_across_ranks`, per block, the rows already sorted by expert,
+sft/models/moe.py):
+
+1. the rows per expert (bincount) go to every ep rank in one all-to-all of E integers, so each
+   rank learns how many rows it will receive from whom;
+2. **one host sync per block forward**: all_to_all needs its split sizes as host integers, and
+   they depend on this step's routing. (Backward reuses them: no sync; a checkpointed block's
+   recomputation reuses the kept all-to-all outputs but reads the sizes again: one more sync.)
+3. the rows go to their experts' ranks in one all-to-all (exactly the routed rows: no capacity,
+   no padding, nothing dropped; a rank whose experts got no row sends and receives empty splits
+   and still takes part), are regrouped by local expert (a stable sort: rows keep their source
+   order), run through the local experts' grouped GEMMs, put back in arrival order and return in
+   the reverse all-to-all, whose backward is the forward one's reverse (both differentiable).
+
+The all-to-alls are the functional collectives, listed in `MoE.kept_ops`, so activation
+checkpointing keeps their outputs and recomputation sends nothing. The dispatch runs eagerly
+(a graph break in a compiled block: its sizes are data-dependent host integers); attention, the
+router and the combine around it are compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from sft.distributed import log0
+from sft.models.moe import GroupedExperts, expert_ends
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from sft.models.moe import MoE
+    from sft.parallel.mesh import ParallelDims
+
+
+@torch.compiler.disable  # split sizes are data-dependent host integers
+def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted_ids: torch.Tensor,
+                             num_experts: int, group: ProcessGroup) -> torch.Tensor:
+    """Rows sorted by (global) expert through their experts, wherever they live on the ep ranks;
+    returns their outputs in the same order."""
+    ranks = group.size()
+    local = num_experts // ranks
+    sent_counts = torch.bincount(sorted_ids, minlength=num_experts)  # [E]: rows for each expert, from here
+    # [ranks x local]: rows each rank sends to each of this rank's experts
+    received_counts = funcol.all_to_all_single(sent_counts, None, None, group).wait()
+    sent, received = torch.stack([sent_counts.view(ranks, local).sum(1),
+                                  received_counts.view(ranks, local).sum(1)]).tolist()  # the host sync
+    arrived = funcol.all_to_all_single_autograd(rows, received, sent, group).wait()  # source-major, then expert
+    # Regroup by local expert; stable, so each expert's rows keep their source (and token) order.
+    local_ids = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(
+        received_counts, output_size=arrived.shape[0])
+    local_sorted, regroup = local_ids.sort(stable=True)
+    out = experts(arrived[regroup], local_sorted, expert_ends(local_sorted, local))
+    out = torch.empty_like(out).index_copy_(0, regroup, out)  # back in arrival order
+    return funcol.all_to_all_single_autograd(out, sent, received, group).wait()
+
+
+def _shard_by_expert(experts: nn.Module, mesh) -> None:
+    """Each expert weight (and gpt-oss bias) of `experts` as a DTensor over the ep ranks, sharded
+    by expert; on the meta device, where nothing is allocated."""
+    for name, param in list(experts.named_parameters(recurse=False)):
+        ranks, rank = mesh.size(), mesh.get_local_rank()
+        local = param.detach().chunk(ranks)[rank]
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                     stride=param.stride())
+        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:
+    """Spread every MoE block's experts over the ep ranks and send each block's rows across them."""
+    mesh = dims.ep_mesh
+    for block in moe.blocks:
+        _shard_by_expert(block.experts, mesh)
+        block.run_experts = functools.partial(run_experts_across_ranks, group=mesh.get_group())
+    log0(f"applied expert parallelism: {moe.blocks[0].num_experts // dims.ep} of {moe.blocks[0].num_experts} "
+         f"experts per rank in {len(moe.blocks)} blocks, over {dims.ep} ranks")
