@@ -44,7 +44,7 @@ from sft.profiling import StepProfiler
 from sft.training.evaluate import evaluate
 from sft.training.loss import attach_sft_loss, forward_backward
 from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
-from sft.training.optim import build_optimizer, build_scheduler, clip_grad_norm
+from sft.training.optim import apply_master_dtype, build_optimizer, build_scheduler, clip_grad_norm
 from sft.training.rundir import RunDirectory
 
 
@@ -90,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
     if applied := apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype]):
         log0(applied)
+    apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
     if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
         log0(warning)  # before anything is allocated: this run may not fit
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.

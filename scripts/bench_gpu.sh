@@ -49,6 +49,11 @@
 #   ep30b     issue #36, for 2 GPUs: the same stand-in at 4 rows x 4096 tokens per GPU without and with expert
 #             parallelism (moe.ep_degree=NGPU; TRACE=1 profiles it at steps 9-10), and with it at 2 rows; then the
 #             peer at 4 and 2 rows (PEER_BS), without AC (PEER_AC; its faster variant at both sizes in #26)
+#   leannumerics  issue #36: the float8numerics model and data, fp32 AdamW vs bf16 moments vs bf16 moments +
+#             bf16 master weights (LEANRUNS="state:master ..."), one GPU per run (PER_GPU=2); plot in
+#             docs/lean_state_numerics.png
+#   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init) with expert parallelism
+#             and plan.auto (lean state allowed) on P-7B rows, next to the planner's prediction
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
 #             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
@@ -368,6 +373,28 @@ RUNS
       python3 scripts/plot_float8.py runs/bench/f8num-*/ --out docs/float8_numerics.png | tee runs/bench/float8_numerics.md
       cp docs/float8_numerics.png runs/bench/ 2>/dev/null
       echo "stage float8numerics took $((SECONDS - t_stage)) s" ;;
+    leannumerics)  # issue #36: the float8 numerics' model and data with lean optimizer state, as float8numerics runs
+      t_stage=$SECONDS
+      python3 scripts/text_tokens.py --out data/float8num
+      slot=0; pids=()
+      for run in ${LEANRUNS:-float32:float32 bfloat16:float32 bfloat16:bfloat16}; do
+        state=${run%:*} master=${run#*:}
+        (
+          CUDA_VISIBLE_DEVICES=$((slot % NGPU)) NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "leannum-$state-$master" \
+            configs/bench/float8_numerics.yaml optim.state_dtype="$state" optim.master_dtype="$master"
+        ) &
+        pids+=($!); slot=$(((slot + 1) % (NGPU * ${PER_GPU:-1}))); [ $slot -eq 0 ] && wait "${pids[@]}" && pids=()
+      done; wait
+      python3 scripts/plot_float8.py runs/bench/leannum-*/ --out docs/lean_state_numerics.png --tolerance 0.01 \
+        | tee runs/bench/lean_numerics.md
+      cp docs/lean_state_numerics.png runs/bench/ 2>/dev/null
+      echo "stage leannumerics took $((SECONDS - t_stage)) s" ;;
+    whole30b)  # issue #36, for 2 x H200: the whole Qwen3-30B-A3B (random init), expert parallel, lean state, plan.auto
+      p7b_data
+      ac_runs whole30b <<RUNS
+whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b moe.ep_degree=$NGPU plan.auto=true plan.allow_lean_state=true train.max_steps=${STEPS}
+RUNS
+      moe_loads runs/bench/whole30b ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
       p7b_data
       hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random

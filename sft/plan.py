@@ -11,6 +11,9 @@ checkpointed block keeps only its input, the others everything backward needs, p
 being recomputed) and the loss buffers (one chunk of fp32 logits and its gradient, the fp32
 lm_head gradient formed in forward). End of backward: all 16 bytes per parameter of sharded
 state, the gathered blocks, one block's unsharded fp32 gradients and one block's activations.
+optim.master_dtype / state_dtype = bfloat16 make the 16 bytes 12 (bf16 moments) or 8 (and bf16
+weights and gradients): sft/training/optim.py:state_bytes. Under expert parallelism (moe.ep_degree)
+a rank gathers only its share of each block's experts, and keeps the rows that arrived for them.
 The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16
 tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
 graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
@@ -61,7 +64,7 @@ from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, ke
 from sft.parallel.context_parallel import unsupported
 from sft.parallel.mesh import ParallelDims
 from sft.training.loss import LOGITS_PER_CHUNK
-from sft.training.optim import STATE_BYTES
+from sft.training.optim import STATE_BYTES, StateBytes, state_bytes
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05
@@ -95,6 +98,7 @@ class Shapes:
     experts: int = 0
     top_k: int = 0
     active_params: int = 0
+    block_experts: int = 0  # the expert weights of one block (of block_params)
     context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
     attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
     # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
@@ -137,34 +141,40 @@ class Shapes:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
         ffn = top_k * expert_ffn if experts else text.intermediate_size
+        block_experts = sum(p.numel() for n, p in decoder_blocks(model)[0].named_parameters() if ".experts." in n)
         return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
-                   unsupported(model, moe=experts > 0) is None, text.num_attention_heads * head_dim)
+                   block_experts, unsupported(model, moe=experts > 0) is None, text.num_attention_heads * head_dim)
 
 
-def moe_bytes_per_token(s: Shapes) -> int:
+def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
     """What an MoE block keeps per token beyond a dense block of width `ffn` (an estimate, not yet
     fitted on measured peaks): the k dispatched copies of the token (bf16 rows in expert order), the
-    experts' outputs in both orders, and the router's float32 input, logits and probabilities."""
+    experts' outputs in both orders, and the router's float32 input, logits and probabilities; with
+    expert parallelism also the rows that arrived and their regrouped copy (k rows per token on
+    average: real routing is unbalanced)."""
     if not s.experts:
         return 0
-    return 2 * 3 * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
+    return 2 * (3 + (2 if ep > 1 else 0)) * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
 
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
-               float8: bool = False, ac_mode: str = "blocks", cp: int = 1) -> float:
+               float8: bool = False, ac_mode: str = "blocks", cp: int = 1, ep: int = 1,
+               state: StateBytes = STATE_BYTES) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
     (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
     then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
-    and compiled whole checkpointed blocks hold the size of the whole row's (see below)."""
+    and compiled whole checkpointed blocks hold the size of the whole row's (see below). `ep`:
+    moe.ep_degree, each rank gathers only its 1/ep of a block's experts. `state`: the bytes per
+    trained parameter of optim.master_dtype / state_dtype."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
     # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16.
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
-    block_bytes = 2 * (s.block_params - s.block_nf4)
+    block_bytes = 2 * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / ep))
     gathered = (2 if reshard_after_forward else s.layers) * block_bytes + 2 * s.root_params + 2 * s.largest_nf4
     if compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
@@ -172,7 +182,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
-    per_token_layer += moe_bytes_per_token(s)
+    per_token_layer += moe_bytes_per_token(s, ep)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     gathered_kv = 2 * 2 * s.kv_dim  # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
@@ -199,14 +209,15 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
     # LoRA: the frozen base in bf16 (sharded) or NF4 (whole), no gradient, no optimizer state.
     if cpu_offload:
-        state_in_forward = state_in_backward = 2 * STATE_BYTES.master * s.block_params / shard_ranks
+        state_in_forward = state_in_backward = 2 * state.master * s.block_params / shard_ranks
     else:
-        grads_in_forward = STATE_BYTES.grad if grad_accum > 1 else 0
+        grads_in_forward = state.grad if grad_accum > 1 else 0
         nf4 = NF4_BYTES_PER_PARAMETER * s.nf4_params
-        state_in_forward = ((STATE_BYTES.checkpoint + grads_in_forward) * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
-        state_in_backward = (STATE_BYTES.total * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
+        state_in_forward = ((state.checkpoint + grads_in_forward) * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
+        state_in_backward = (state.total * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
     end_of_forward = state_in_forward + gathered + activations + loss
-    end_of_backward = state_in_backward + gathered + 4 * s.block_trained_params + tokens * per_token_layer
+    unsharded_grads = 4 * (s.block_trained_params - s.block_experts * (1 - 1 / ep))  # float32, for the reduce-scatter
+    end_of_backward = state_in_backward + gathered + unsharded_grads + tokens * per_token_layer
     return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
 
 
@@ -298,7 +309,8 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, ParallelDims.of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      cfg.precision.float8 != "none", ac_mode, cfg.cp.degree) / GIB
+                      cfg.precision.float8 != "none", ac_mode, cfg.cp.degree, cfg.moe.ep_degree,
+                      state_bytes(cfg.optim)) / GIB
 
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
@@ -367,7 +379,9 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
              f"({ParallelDims.of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
-             + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else ""), "",
+             + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else "")
+             + (f", moe.ep_degree={cfg.moe.ep_degree}" if cfg.moe.ep_degree > 1 else "")
+             + f", {state_bytes(cfg.optim).total} bytes of state per trained parameter", "",
              "| micro-batch | " + " | ".join(ac_label(*setting) for setting in AC_SETTINGS) + " |",
              "|---" * (len(AC_SETTINGS) + 1) + "|"]
     for micro in MICRO_BATCHES:
@@ -378,8 +392,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
     if cfg.checkpoint.enabled:
-        each, at_once = STATE_BYTES.checkpoint * s.trained / GIB, cfg.checkpoint.most_on_disk
-        lines.append(f"checkpoints: {each:.1f} GiB each (fp32 weights and Adam moments), up to {at_once} at once "
+        each, at_once = state_bytes(cfg.optim).checkpoint * s.trained / GIB, cfg.checkpoint.most_on_disk
+        lines.append(f"checkpoints: {each:.1f} GiB each (weights and Adam moments), up to {at_once} at once "
                      f"(checkpoint.keep_last + the one being written): {each * at_once:.1f} GiB of train.output_dir")
     if cfg.fsdp.cpu_offload:
         need = host_gib_per_node(s, cfg, m)
@@ -394,6 +408,11 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
+        if lean := leaner_state(s, cfg, m):
+            lean_cfg, lean_choice = lean
+            lines.append(f"with leaner optimizer state it fits: {lean_overrides(lean_cfg)} {as_overrides(*lean_choice)} "
+                         f"({state_bytes(lean_cfg.optim).total} bytes per parameter; plan.allow_lean_state=true lets "
+                         "plan.auto choose it)")
     degree = smallest_cp(s, cfg, m)
     if degree is not None and degree != cfg.cp.degree:
         lines.append(f"context parallelism: cp.degree={degree} is the smallest at which a row of "
@@ -401,13 +420,39 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     return "\n".join(lines), choice is not None
 
 
+def leaner_state(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple] | None:
+    """The first of bf16 moments, then also bf16 master weights (where the config allows them:
+    sft/config/checks.py) with which some setting fits, as (config, suggest's choice); None if
+    neither does or the config is already that lean."""
+    steps = [("bfloat16", cfg.optim.master_dtype)]
+    if cfg.fsdp.param_dtype == "bfloat16" and not cfg.lora.enabled and not cfg.fsdp.cpu_offload:
+        steps.append(("bfloat16", "bfloat16"))
+    for state_dtype, master_dtype in steps:
+        if (state_dtype, master_dtype) == (cfg.optim.state_dtype, cfg.optim.master_dtype) or cfg.fsdp.cpu_offload:
+            continue
+        lean = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, state_dtype=state_dtype,
+                                                                  master_dtype=master_dtype))
+        if choice := suggest(s, lean, m):
+            return lean, choice
+    return None
+
+
+def lean_overrides(cfg: Config) -> str:
+    return f"optim.state_dtype={cfg.optim.state_dtype} optim.master_dtype={cfg.optim.master_dtype}"
+
+
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner, and cp.degree
-    where rows do not fit at the configured one; return a log line.
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner, the optimizer's
+    state dtypes where nothing fits without and plan.allow_lean_state allows, and cp.degree where
+    rows do not fit at the configured one; return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes, m = Shapes.of(build_meta_model(cfg.model), cfg.lora), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
+    if choice is None and cfg.plan.allow_lean_state and (lean := leaner_state(shapes, cfg, m)):
+        lean_cfg, choice = lean
+        cfg.optim.state_dtype, cfg.optim.master_dtype = lean_cfg.optim.state_dtype, lean_cfg.optim.master_dtype
+        note = lean_overrides(cfg) + " "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel

@@ -35,7 +35,7 @@ from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.models.lora import trained_state
 from sft.models.weights import initial_weights, load_weights
-from sft.training.optim import STATE_BYTES
+from sft.training.optim import state_bytes
 
 
 def _unusable(resume: str, problem: str, shared: bool = False) -> CheckpointError:
@@ -146,7 +146,7 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if not c.enabled:
             return
-        size = STATE_BYTES.checkpoint * sum(p.numel() for p in model.parameters()
+        size = state_bytes(self.cfg.optim).checkpoint * sum(p.numel() for p in model.parameters()
                                             if p.requires_grad or not self.cfg.lora.enabled)
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
@@ -155,7 +155,7 @@ class Checkpointer:
         free = shutil.disk_usage(existing).free
         if free < more * size:
             log0(f"warning: {existing} has {_size(free)} free, and this run's checkpoints need up to "
-                 f"{_size(more * size)} more ({more} of {_size(size)}: fp32 weights and Adam "
+                 f"{_size(more * size)} more ({more} of {_size(size)}: weights and Adam "
                  f"moments; checkpoint.keep_last={c.keep_last} stay while the next is written): a save will fail "
                  "when the disk is full, keeping the previous checkpoint; free space, lower checkpoint.keep_last or "
                  "set train.output_dir to a larger filesystem")

@@ -110,12 +110,22 @@ class OptimConfig:
     """AdamW epsilon."""
     clip_grad_norm: float | None = 1.0
     """Clip the global gradient norm to this value (null = no clipping; the norm is still logged)."""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's two moments: float32 (8 bytes per trained parameter), or bfloat16 (4 bytes, written
+    with stochastic rounding so that their small per-step changes are not rounded away; math in
+    float32). See docs/BENCHMARKS.md "Lean optimizer state" for the measured loss gap."""
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The trained weights the optimizer updates: float32 masters (4 bytes per parameter, and
+    float32 gradients: 4 more), or bfloat16 ones updated with stochastic rounding (2 + 2 bytes:
+    FSDP hands the reduced gradients back in the weights' dtype). With state_dtype bfloat16 the
+    state is 8 bytes per parameter instead of 16. Needs fsdp.param_dtype=bfloat16; not with LoRA
+    or fsdp.cpu_offload. plan.allow_lean_state lets plan.auto choose these two."""
 
 
 @dataclass
 class FSDPConfig:
     param_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Compute dtype of the all-gathered parameters. Master weights are always float32."""
+    """Compute dtype of the all-gathered parameters (the master weights: optim.master_dtype)."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter. bfloat16 halves traffic at some precision cost; with
     float32 master weights it measured slower near the memory limit (its float32 copies of the
@@ -234,7 +244,9 @@ class MoEConfig:
     per block forward for the split sizes). 1 turns it off: the experts are FSDP-sharded like
     every other weight and all-gathered in every block. Must divide the ranks and the number of
     experts; checkpoints resume at any degree. Not with LoRA, cp.degree > 1 or
-    fsdp.replicate_degree > 1 yet."""
+    fsdp.replicate_degree > 1 yet. Measured on 2 H200 (NVLink), Qwen3-30B-A3B widths: 10% slower
+    than 1, whose all-gathers hide under compute where the all-to-alls cannot (docs/BENCHMARKS.md);
+    what it saves is the gathered experts' memory."""
 
 
 @dataclass
@@ -331,6 +343,10 @@ class PlanConfig:
     gpu_mem_gib: float | None = None
     """Memory per GPU to plan for (default: the GPU's total memory). Set, it also lets plan.auto
     choose without a GPU (e.g. to see its choice on a CPU machine)."""
+    allow_lean_state: bool = False
+    """Let plan.auto set optim.state_dtype and then optim.master_dtype to bfloat16 (16 -> 12 -> 8
+    bytes of state per parameter) where the run does not fit otherwise. Off: it never changes the
+    optimizer's numerics."""
 
 
 @dataclass
