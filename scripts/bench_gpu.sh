@@ -381,7 +381,8 @@ RUNS
         state=${run%:*} master=${run#*:}
         (
           CUDA_VISIBLE_DEVICES=$((slot % NGPU)) NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "leannum-$state-$master" \
-            configs/bench/float8_numerics.yaml optim.state_dtype="$state" optim.master_dtype="$master"
+            configs/bench/float8_numerics.yaml optim.state_dtype="$state" optim.master_dtype="$master" \
+            train.max_steps="${LEANSTEPS:-1200}"
         ) &
         pids+=($!); slot=$(((slot + 1) % (NGPU * ${PER_GPU:-1}))); [ $slot -eq 0 ] && wait "${pids[@]}" && pids=()
       done; wait
