@@ -342,8 +342,9 @@ def test_moe_aux_loss_is_layout_invariant(runs):
                                          ("moe ep 2", "moe ep 2, blocks, ratio 1"),
                                          ("moe ep 2", "moe ep 2, ops_half, ratio 1")])
 def test_moe_recompute_routes_as_forward(runs, plain, name):
-    """Checkpointed blocks reuse the forward's routing (and, under expert parallelism, its all-to-alls,
-    with an FSDP unit of experts inside the block): bitwise the gradients without checkpointing."""
+    """Checkpointed blocks reuse the forward's routing (under expert parallelism too, where
+    recomputation sends the rows again through an FSDP unit of experts inside the block): bitwise
+    the gradients without checkpointing."""
     plain, ac = runs(plain), runs(name)
     assert ac["loss"] == plain["loss"] and ac["aux_loss"] == plain["aux_loss"]
     for param in plain["grads"]:

@@ -364,7 +364,7 @@ def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes(at_repo, c
     assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in out
     assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in out
     # 72.71B x 12 bytes; keep_last 2 committed + the one being written
-    assert "checkpoints: 812.6 GiB each (fp32 weights and Adam moments), up to 3 at once" in out
+    assert "checkpoints: 812.6 GiB each (weights and Adam moments), up to 3 at once" in out
 
 
 # Mixture of experts: (shipped shapes, total and active parameters in billions as the model cards give

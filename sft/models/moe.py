@@ -340,11 +340,10 @@ class MoE:
     `kept_ops`' outputs under activation checkpointing."""
 
     # Ops whose outputs every checkpointing policy keeps: the top-k, the routing decision, which
-    # recomputation must reuse, and expert parallelism's all-to-alls (and their waits), so that
-    # recomputation does not send the tokens again.
-    kept_ops = frozenset((torch.ops.aten.topk.default, torch.ops._c10d_functional.all_to_all_single.default,
-                          torch.ops._c10d_functional_autograd.all_to_all_single.default,
-                          torch.ops._c10d_functional.wait_tensor.default))
+    # recomputation must reuse. (Not expert parallelism's all-to-alls: recomputation sends the rows
+    # again, as keeping what arrived would cost 2 x top_k x hidden bf16 per token and block, the
+    # block's whole MoE activations; measured, the whole Qwen3-30B-A3B ran out of memory.)
+    kept_ops = frozenset((torch.ops.aten.topk.default,))
 
     def __init__(self, blocks: list[SparseMoE], coef: float, active_parameters: int):
         self.blocks, self.coef, self.active_parameters = blocks, coef, active_parameters

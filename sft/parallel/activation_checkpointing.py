@@ -39,7 +39,10 @@ class BlockShape(Protocol):
 
 
 def _output_width(s: BlockShape, matmul: str) -> int:
-    return {"q": s.q_dim, "k": s.kv_dim, "v": s.kv_dim, "o": s.hidden, "gate": s.ffn, "up": s.ffn, "down": s.hidden}[matmul]
+    """Per token; an MoE block's down projection gives top_k rows per token (its ffn is top_k x the
+    expert's intermediate size already)."""
+    down = s.hidden * max(1, getattr(s, "top_k", 0))
+    return {"q": s.q_dim, "k": s.kv_dim, "v": s.kv_dim, "o": s.hidden, "gate": s.ffn, "up": s.ffn, "down": down}[matmul]
 
 
 def kept_matmuls(mode: str) -> tuple[str, ...]:
@@ -51,8 +54,10 @@ def kept_bytes_per_token(s: BlockShape, compiled: bool, mode: str) -> int:
     """Bytes per token a block checkpointed in an op-level `mode` keeps until its backward: its
     input, its kept matmuls' outputs and attention's output and log-sum-exp (float32 per head), all
     else bf16. Compiled, the partitioner keeps only what backward reads, and backward never reads
-    the down projection's output; eager, selective checkpointing keeps it anyway."""
-    kept = s.hidden + sum(_output_width(s, m) for m in kept_matmuls(mode) if not (compiled and m == "down"))
+    the down projection's output; eager, selective checkpointing keeps it anyway (and MoE experts
+    may run eagerly: sft/parallel/expert_parallel.py, so theirs is counted)."""
+    moe = getattr(s, "top_k", 0) > 0
+    kept = s.hidden + sum(_output_width(s, m) for m in kept_matmuls(mode) if not (compiled and m == "down" and not moe))
     attention = AC_MODES[mode].keep_attention
     return 2 * (kept + (s.q_dim if attention else 0)) + (4 * s.heads if attention else 0)
 

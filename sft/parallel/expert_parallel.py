@@ -15,15 +15,15 @@ sft/models/moe.py):
    rank learns how many rows it will receive from whom;
 2. **one host sync per block forward**: all_to_all needs its split sizes as host integers, and
    they depend on this step's routing. (Backward reuses them: no sync; a checkpointed block's
-   recomputation reuses the kept all-to-all outputs but reads the sizes again: one more sync.)
+   recomputation, which reuses the forward's routing, sends the rows again: one more sync.)
 3. the rows go to their experts' ranks in one all-to-all (exactly the routed rows: no capacity,
    no padding, nothing dropped; a rank whose experts got no row sends and receives empty splits
    and still takes part), are regrouped by local expert (a stable sort: rows keep their source
    order), run through the local experts' grouped GEMMs, put back in arrival order and return in
    the reverse all-to-all, whose backward is the forward one's reverse (both differentiable).
 
-The all-to-alls are the functional collectives, listed in `MoE.kept_ops`, so activation
-checkpointing keeps their outputs and recomputation sends nothing. The dispatch runs eagerly
+The all-to-alls are the functional collectives. Activation checkpointing recomputes them with the
+block (keeping what arrived would cost a block's whole MoE activations). The dispatch runs eagerly
 (a graph break in a compiled block: its sizes are data-dependent host integers); attention, the
 router and the combine around it are compiled.
 """

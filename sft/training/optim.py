@@ -63,6 +63,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+_CHUNK = 1 << 24  # elements LeanAdamW updates at a time (64 MiB per float32 temporary)
+
+
 def stochastic_round_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
     """out (any dtype) = value (float32); into bfloat16 rounded stochastically: the 16 bits that
     bfloat16 drops are replaced by a uniform draw added to them, then truncated, so the result is
@@ -97,7 +100,6 @@ class LeanAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         generators: dict[torch.device, torch.Generator] = {}
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in (p for p in group["params"] if p.grad is not None):
                 state = self.state[param]
                 if not state:
@@ -106,20 +108,27 @@ class LeanAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
                 state["step"] += 1
                 step = int(state["step"])
-                weight, grad = _local(param), _local(param.grad).float()
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-                if weight.device not in generators:
-                    generators[weight.device] = self._generator(weight.device, step)
-                generator = generators[weight.device]
-                # float32 views of float32 state are the state itself: updated in place, never sqrt_'d
-                m = exp_avg.float().lerp_(grad, 1 - beta1)
-                v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                stochastic_round_(exp_avg, m, generator)
-                stochastic_round_(exp_avg_sq, v, generator)
-                w = weight.float().mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-                w.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** step))
-                stochastic_round_(weight, w, generator)
+                tensors = [_local(t).view(-1) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
+                if tensors[0].device not in generators:
+                    generators[tensors[0].device] = self._generator(tensors[0].device, step)
+                # In chunks: the float32 temporaries of a whole shard of experts would be gigabytes.
+                for start in range(0, tensors[0].numel(), _CHUNK):
+                    self._update(*(t[start:start + _CHUNK] for t in tensors), group, step, generators[tensors[0].device])
+
+    @staticmethod
+    def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                group: dict, step: int, generator: torch.Generator) -> None:
+        beta1, beta2 = group["betas"]
+        grad = grad.float()
+        # float32 views of float32 state are the state itself: updated in place, never sqrt_'d
+        m = exp_avg.float().lerp_(grad, 1 - beta1)
+        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        stochastic_round_(exp_avg, m, generator)
+        stochastic_round_(exp_avg_sq, v, generator)
+        w = weight.float().mul_(1 - group["lr"] * group["weight_decay"])
+        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
+        w.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** step))
+        stochastic_round_(weight, w, generator)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
