@@ -408,11 +408,12 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)})")
     else:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
-        if lean := leaner_state(s, cfg, m):
-            lean_cfg, lean_choice = lean
-            lines.append(f"with leaner optimizer state it fits: {lean_overrides(lean_cfg)} {as_overrides(*lean_choice)} "
-                         f"({state_bytes(lean_cfg.optim).total} bytes per parameter; plan.allow_lean_state=true lets "
-                         "plan.auto choose it)")
+        if roomier := roomier_layout(s, cfg, m):
+            roomier_cfg, roomier_choice, overrides = roomier
+            lean = "optim." in overrides
+            lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} "
+                         f"({state_bytes(roomier_cfg.optim).total} bytes of state per parameter; plan.auto chooses it"
+                         + (" with plan.allow_lean_state=true)" if lean else ")"))
     degree = smallest_cp(s, cfg, m)
     if degree is not None and degree != cfg.cp.degree:
         lines.append(f"context parallelism: cp.degree={degree} is the smallest at which a row of "
@@ -420,39 +421,46 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     return "\n".join(lines), choice is not None
 
 
-def leaner_state(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple] | None:
-    """The first of bf16 moments, then also bf16 master weights (where the config allows them:
-    sft/config/checks.py) with which some setting fits, as (config, suggest's choice); None if
-    neither does or the config is already that lean."""
-    steps = [("bfloat16", cfg.optim.master_dtype)]
-    if cfg.fsdp.param_dtype == "bfloat16" and not cfg.lora.enabled and not cfg.fsdp.cpu_offload:
-        steps.append(("bfloat16", "bfloat16"))
-    for state_dtype, master_dtype in steps:
-        if (state_dtype, master_dtype) == (cfg.optim.state_dtype, cfg.optim.master_dtype) or cfg.fsdp.cpu_offload:
-            continue
-        lean = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, state_dtype=state_dtype,
-                                                                  master_dtype=master_dtype))
-        if choice := suggest(s, lean, m):
-            return lean, choice
+def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple, str] | None:
+    """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
+    parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
+    experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
+    weights (where the config allows them: sft/config/checks.py). As (config, suggest's choice, its
+    overrides); None if none fits."""
+    dims = ParallelDims.of(cfg, m.gpus)
+    changes: list[dict] = []
+    if s.experts and cfg.moe.ep_degree == 1 and s.experts % dims.shard_ranks == 0 and dims.shard_ranks > 1 \
+            and not (cfg.lora.enabled or cfg.cp.degree > 1 or cfg.fsdp.replicate_degree > 1):
+        changes.append({"moe.ep_degree": dims.shard_ranks})
+    if lean and not cfg.fsdp.cpu_offload:
+        if cfg.optim.state_dtype != "bfloat16":
+            changes.append({"optim.state_dtype": "bfloat16"})
+        if cfg.optim.master_dtype != "bfloat16" and cfg.fsdp.param_dtype == "bfloat16" and not cfg.lora.enabled:
+            changes.append({"optim.master_dtype": "bfloat16"})
+    overrides: dict = {}
+    for change in changes:  # cumulative: each adds to the ones before
+        overrides.update(change)
+        roomier = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_degree=overrides.get("moe.ep_degree", cfg.moe.ep_degree)),
+                                      optim=dataclasses.replace(cfg.optim, state_dtype=overrides.get("optim.state_dtype", cfg.optim.state_dtype),
+                                                                master_dtype=overrides.get("optim.master_dtype", cfg.optim.master_dtype)))
+        if choice := suggest(s, roomier, m):
+            return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
     return None
-
-
-def lean_overrides(cfg: Config) -> str:
-    return f"optim.state_dtype={cfg.optim.state_dtype} optim.master_dtype={cfg.optim.master_dtype}"
 
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner, the optimizer's
-    state dtypes where nothing fits without and plan.allow_lean_state allows, and cp.degree where
-    rows do not fit at the configured one; return a log line.
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; where nothing
+    fits, expert parallelism (MoE) and, if plan.allow_lean_state, the optimizer's bf16 state
+    (roomier_layout); and cp.degree where rows do not fit at the configured one; return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes, m = Shapes.of(build_meta_model(cfg.model), cfg.lora), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
-    if choice is None and cfg.plan.allow_lean_state and (lean := leaner_state(shapes, cfg, m)):
-        lean_cfg, choice = lean
-        cfg.optim.state_dtype, cfg.optim.master_dtype = lean_cfg.optim.state_dtype, lean_cfg.optim.master_dtype
-        note = lean_overrides(cfg) + " "
+    if choice is None and (roomier := roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state)):
+        roomier_cfg, choice, overrides = roomier
+        cfg.moe.ep_degree = roomier_cfg.moe.ep_degree
+        cfg.optim.state_dtype, cfg.optim.master_dtype = roomier_cfg.optim.state_dtype, roomier_cfg.optim.master_dtype
+        note = overrides + " "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
