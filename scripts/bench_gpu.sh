@@ -50,10 +50,11 @@
 #             parallelism (moe.ep_degree=NGPU; TRACE=1 profiles it at steps 9-10), and with it at 2 rows; then the
 #             peer at 4 and 2 rows (PEER_BS), without AC (PEER_AC; its faster variant at both sizes in #26)
 #   leannumerics  issue #36: the float8numerics model and data, fp32 AdamW vs bf16 moments vs bf16 moments +
-#             bf16 master weights (LEANRUNS="state:master ..."), one GPU per run (PER_GPU=2); plot in
+#             bf16 master weights (LEANRUNS="state:master ...", LEANSEED, LEANSTEPS), one GPU per run (PER_GPU=2); plot in
 #             docs/lean_state_numerics.png
-#   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init) with expert parallelism
-#             and plan.auto (lean state allowed) on P-7B rows, next to the planner's prediction
+#   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init) and gpt-oss-20b on P-7B
+#             rows with plan.auto (expert parallelism and lean state allowed: its choice), next to the planner's
+#             prediction; TRACE=1 profiles the 30B run at steps 7-8
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
 #             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
@@ -380,9 +381,9 @@ RUNS
       for run in ${LEANRUNS:-float32:float32 bfloat16:float32 bfloat16:bfloat16}; do
         state=${run%:*} master=${run#*:}
         (
-          CUDA_VISIBLE_DEVICES=$((slot % NGPU)) NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "leannum-$state-$master" \
+          CUDA_VISIBLE_DEVICES=$((slot % NGPU)) NGPU=1 RUN_TIMEOUT=${RUN_TIMEOUT:-400} train "leannum-$state-$master-s${LEANSEED:-0}" \
             configs/bench/float8_numerics.yaml optim.state_dtype="$state" optim.master_dtype="$master" \
-            train.max_steps="${LEANSTEPS:-1200}"
+            train.max_steps="${LEANSTEPS:-1200}" train.seed="${LEANSEED:-0}"
         ) &
         pids+=($!); slot=$(((slot + 1) % (NGPU * ${PER_GPU:-1}))); [ $slot -eq 0 ] && wait "${pids[@]}" && pids=()
       done; wait
@@ -393,9 +394,10 @@ RUNS
     whole30b)  # issue #36, for 2 x H200: the whole Qwen3-30B-A3B (random init), expert parallel, lean state, plan.auto
       p7b_data
       ac_runs whole30b <<RUNS
-whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b moe.ep_degree=$NGPU plan.auto=true plan.allow_lean_state=true train.max_steps=${STEPS}
+whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b plan.auto=true plan.allow_lean_state=true ${TRACE:+logging.profile_steps=[7,8]}
+whole-gptoss20b configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention plan.auto=true plan.allow_lean_state=true
 RUNS
-      moe_loads runs/bench/whole30b ;;
+      moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
       p7b_data
       hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random
