@@ -425,7 +425,7 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
     """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
     experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
-    weights (where the config allows them: sft/config/checks.py). As (config, suggest's choice, its
+    weights and gradient reduction (where the config allows them: sft/config/checks.py). As (config, suggest's choice, its
     overrides); None if none fits."""
     dims = ParallelDims.of(cfg, m.gpus)
     changes: list[dict] = []
@@ -436,13 +436,14 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
         if cfg.optim.state_dtype != "bfloat16":
             changes.append({"optim.state_dtype": "bfloat16"})
         if cfg.optim.master_dtype != "bfloat16" and cfg.fsdp.param_dtype == "bfloat16" and not cfg.lora.enabled:
-            changes.append({"optim.master_dtype": "bfloat16"})
+            changes.append({"optim.master_dtype": "bfloat16", "fsdp.reduce_dtype": "bfloat16"})
     overrides: dict = {}
     for change in changes:  # cumulative: each adds to the ones before
         overrides.update(change)
         roomier = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_degree=overrides.get("moe.ep_degree", cfg.moe.ep_degree)),
                                       optim=dataclasses.replace(cfg.optim, state_dtype=overrides.get("optim.state_dtype", cfg.optim.state_dtype),
-                                                                master_dtype=overrides.get("optim.master_dtype", cfg.optim.master_dtype)))
+                                                                master_dtype=overrides.get("optim.master_dtype", cfg.optim.master_dtype)),
+                                      fsdp=dataclasses.replace(cfg.fsdp, reduce_dtype=overrides.get("fsdp.reduce_dtype", cfg.fsdp.reduce_dtype)))
         if choice := suggest(s, roomier, m):
             return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
     return None
@@ -460,6 +461,7 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         roomier_cfg, choice, overrides = roomier
         cfg.moe.ep_degree = roomier_cfg.moe.ep_degree
         cfg.optim.state_dtype, cfg.optim.master_dtype = roomier_cfg.optim.state_dtype, roomier_cfg.optim.master_dtype
+        cfg.fsdp.reduce_dtype = roomier_cfg.fsdp.reduce_dtype
         note = overrides + " "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:

@@ -107,7 +107,7 @@ def test_lean_state_trains_checkpoints_bf16_and_resumes_exactly(tmp_path, demo_d
     step 3 repeats steps 4-6 bit for bit (the stochastic rounding's draws are seeded by step)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    lean = ("fsdp.param_dtype=bfloat16", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
+    lean = ("fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
             "eval.every_steps=0", "train.max_steps=6", "data.eval_path=null", "checkpoint.export_hf=false")
     run_demo(demo_data, tmp_path, "whole", *lean, "checkpoint.every_steps=3", nproc=2)
     run_demo(demo_data, tmp_path, "resumed", *lean, f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}",

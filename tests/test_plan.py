@@ -471,8 +471,10 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_ep_and_lean_state(tmp
             apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
         return
     line = apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
-    assert line.startswith("plan.auto: moe.ep_degree=2 optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 ac.ratio=1")
-    assert (cfg.moe.ep_degree, cfg.optim.state_dtype, cfg.optim.master_dtype) == (2, "bfloat16", "bfloat16")
+    assert line.startswith("plan.auto: moe.ep_degree=2 optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 "
+                           "fsdp.reduce_dtype=bfloat16 ac.ratio=1")
+    assert (cfg.moe.ep_degree, cfg.optim.state_dtype, cfg.optim.master_dtype, cfg.fsdp.reduce_dtype) == \
+        (2, "bfloat16", "bfloat16", "bfloat16")
     predicted = predict_gib(Shapes.of(build_meta_model(cfg.model)), cfg, 2, cfg.train.micro_batch_size, cfg.ac.ratio,
                             cfg.ac.mode)
     assert predicted == pytest.approx(118.8, rel=0.10)

@@ -63,7 +63,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-_CHUNK = 1 << 24  # elements LeanAdamW updates at a time (64 MiB per float32 temporary)
+# Elements LeanAdamW updates at a time: 256 MiB per float32 temporary (a whole shard of experts'
+# would take GBs), few enough launches not to leave the GPU waiting on Python.
+_CHUNK = 1 << 26
 
 
 def stochastic_round_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
