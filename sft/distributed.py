@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from sft.errors import UserError
 
@@ -105,6 +106,11 @@ def log0(*parts: object) -> None:
     """Print on rank 0 only, with a timestamp, flushed (Slurm logs are files)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(time.strftime("[%H:%M:%S]"), *parts, flush=True)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:

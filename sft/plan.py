@@ -46,6 +46,7 @@ with periodic asynchronous saves, 12 bytes more per parameter shard for the stag
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import dataclasses
@@ -56,6 +57,7 @@ import torch
 from torch import nn
 
 from sft.config import Config, ConfigError, LoRAConfig, ModelConfig, load_config
+from sft.config.checks import range_checks
 from sft.errors import run_command
 from sft.models.build import ModelError, build_meta_model, decoder_blocks
 from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
@@ -425,25 +427,24 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
     """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
     experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
-    weights and gradient reduction (where the config allows them: sft/config/checks.py). As (config, suggest's choice, its
-    overrides); None if none fits."""
-    dims = ParallelDims.of(cfg, m.gpus)
-    changes: list[dict] = []
-    if s.experts and cfg.moe.ep_degree == 1 and s.experts % dims.shard_ranks == 0 and dims.shard_ranks > 1 \
-            and not (cfg.lora.enabled or cfg.cp.degree > 1 or cfg.fsdp.replicate_degree > 1):
-        changes.append({"moe.ep_degree": dims.shard_ranks})
-    if lean and not cfg.fsdp.cpu_offload:
-        if cfg.optim.state_dtype != "bfloat16":
-            changes.append({"optim.state_dtype": "bfloat16"})
-        if cfg.optim.master_dtype != "bfloat16" and cfg.fsdp.param_dtype == "bfloat16" and not cfg.lora.enabled:
-            changes.append({"optim.master_dtype": "bfloat16", "fsdp.reduce_dtype": "bfloat16"})
-    overrides: dict = {}
-    for change in changes:  # cumulative: each adds to the ones before
-        overrides.update(change)
-        roomier = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, ep_degree=overrides.get("moe.ep_degree", cfg.moe.ep_degree)),
-                                      optim=dataclasses.replace(cfg.optim, state_dtype=overrides.get("optim.state_dtype", cfg.optim.state_dtype),
-                                                                master_dtype=overrides.get("optim.master_dtype", cfg.optim.master_dtype)),
-                                      fsdp=dataclasses.replace(cfg.fsdp, reduce_dtype=overrides.get("fsdp.reduce_dtype", cfg.fsdp.reduce_dtype)))
+    weights and gradient reduction. Each step adds to the ones before; a step the config's checks
+    refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As (config, suggest's
+    choice, its overrides); None if none fits."""
+    shard_ranks = ParallelDims.of(cfg, m.gpus).shard_ranks
+    steps = []
+    if s.experts and cfg.moe.ep_degree == 1 and shard_ranks > 1 and s.experts % shard_ranks == 0:
+        steps.append({"moe.ep_degree": shard_ranks})
+    if lean:
+        steps += [{"optim.state_dtype": "bfloat16"}, {"optim.master_dtype": "bfloat16", "fsdp.reduce_dtype": "bfloat16"}]
+    roomier, overrides = cfg, {}
+    for step in steps:
+        candidate = copy.deepcopy(roomier)
+        for key, value in step.items():
+            section, name = key.split(".")
+            setattr(getattr(candidate, section), name, value)
+        if candidate == roomier or range_checks(candidate, local_checks=False):
+            continue  # already so, or refused
+        roomier, overrides = candidate, {**overrides, **step}
         if choice := suggest(s, roomier, m):
             return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
     return None
@@ -451,24 +452,23 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; where nothing
-    fits, expert parallelism (MoE) and, if plan.allow_lean_state, the optimizer's bf16 state
-    (roomier_layout); and cp.degree where rows do not fit at the configured one; return a log line.
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; cp.degree where
+    rows do not fit at the configured one; where still nothing fits, expert parallelism (MoE) and,
+    if plan.allow_lean_state, the optimizer's bf16 state (roomier_layout); return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes, m = Shapes.of(build_meta_model(cfg.model), cfg.lora), Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
-    if choice is None and (roomier := roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state)):
-        roomier_cfg, choice, overrides = roomier
-        cfg.moe.ep_degree = roomier_cfg.moe.ep_degree
-        cfg.optim.state_dtype, cfg.optim.master_dtype = roomier_cfg.optim.state_dtype, roomier_cfg.optim.master_dtype
-        cfg.fsdp.reduce_dtype = roomier_cfg.fsdp.reduce_dtype
-        note = overrides + " "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
-        # ranks, so the global batch has fewer rows).
+        # ranks, so the global batch has fewer rows). Before anything that changes the numerics.
         cfg.cp.degree, note = degree, f"cp.degree={degree} "
         choice = suggest(shapes, cfg, m)
+    if choice is None and (roomier := roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state)):
+        roomier_cfg, choice, overrides = roomier
+        for section in ("moe", "optim", "fsdp"):
+            setattr(cfg, section, getattr(roomier_cfg, section))
+        note = overrides + " "
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
     configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)

@@ -94,6 +94,21 @@ def test_stochastic_rounding_keeps_updates_below_bf16_resolution():
     assert negative.float().mean().item() == pytest.approx(-1.1, abs=2e-3)
 
 
+def test_stochastic_rounding_keeps_special_values_and_float32_targets():
+    """NaN (also CUDA's 0x7FFFFFFF, whose bits plus a draw would carry into the sign), infinities
+    and zeros come out as they went in; a float32 target takes the value exactly."""
+    cuda_nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    special = torch.cat([cuda_nan, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])])
+    out = torch.empty(len(special), dtype=torch.bfloat16)
+    for seed in range(20):
+        stochastic_round_(out, special, torch.Generator().manual_seed(seed))
+        assert out[:2].isnan().all() and out[2] == float("inf") and out[3] == -float("inf")
+        assert out[4] == 0 and not out[4].signbit() and out[5] == 0 and out[5].signbit()
+    exact = torch.empty(3)
+    stochastic_round_(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]), None)
+    assert torch.equal(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]))
+
+
 @pytest.mark.parametrize("state_dtype, master_dtype, total", [("float32", "float32", 16), ("bfloat16", "float32", 12),
                                                               ("bfloat16", "bfloat16", 8)])
 def test_state_bytes_per_parameter(state_dtype, master_dtype, total):
@@ -103,12 +118,14 @@ def test_state_bytes_per_parameter(state_dtype, master_dtype, total):
 @pytest.mark.slow
 def test_lean_state_trains_checkpoints_bf16_and_resumes_exactly(tmp_path, demo_data):
     """The demo on 2 ranks with bf16 moments and bf16 master weights: the loss falls; the checkpoint
-    holds bf16 weights and moments (8 bytes of state per parameter, not 16); a run resumed from
-    step 3 repeats steps 4-6 bit for bit (the stochastic rounding's draws are seeded by step)."""
+    holds bf16 weights and moments (8 bytes of state per parameter, not 16), and its export loads in
+    transformers; a run resumed from step 3 repeats steps 4-6 bit for bit (the stochastic
+    rounding's draws are seeded by step)."""
+    from transformers import AutoModelForCausalLM
     from torch.distributed.checkpoint import FileSystemReader
 
-    lean = ("fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16", "optim.state_dtype=bfloat16", "optim.master_dtype=bfloat16",
-            "eval.every_steps=0", "train.max_steps=6", "data.eval_path=null", "checkpoint.export_hf=false")
+    lean = ("fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16", "optim.state_dtype=bfloat16",
+            "optim.master_dtype=bfloat16", "eval.every_steps=0", "train.max_steps=6", "data.eval_path=null")
     run_demo(demo_data, tmp_path, "whole", *lean, "checkpoint.every_steps=3", nproc=2)
     run_demo(demo_data, tmp_path, "resumed", *lean, f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}",
              nproc=2)
@@ -116,7 +133,12 @@ def test_lean_state_trains_checkpoints_bf16_and_resumes_exactly(tmp_path, demo_d
     assert whole[6][0] < 0.9 * whole[1][0]
     assert {step: resumed[step] for step in (4, 5, 6)} == {step: whole[step] for step in (4, 5, 6)}
     stored = FileSystemReader(tmp_path / "whole" / "checkpoints" / "step-6").read_metadata().state_dict_metadata
-    dtypes = {key.split(".")[-1] if key.startswith("optimizer.") else "weight": str(meta.properties.dtype)
-              for key, meta in stored.items() if key.startswith(("model.", "optimizer.state.")) and hasattr(meta, "properties")}
-    assert dtypes == {"weight": "torch.bfloat16", "exp_avg": "torch.bfloat16", "exp_avg_sq": "torch.bfloat16",
-                      "step": "torch.float32"}
+    dtypes: dict[str, set] = {}
+    for key, meta in stored.items():
+        if key.startswith(("model.", "optimizer.state.")) and hasattr(meta, "properties"):
+            kind = key.split(".")[-1] if key.startswith("optimizer.") else "weight"
+            dtypes.setdefault(kind, set()).add(str(meta.properties.dtype))
+    assert dtypes == {"weight": {"torch.bfloat16"}, "exp_avg": {"torch.bfloat16"}, "exp_avg_sq": {"torch.bfloat16"},
+                      "step": {"torch.float32"}}
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "export")
+    assert sum(p.numel() for p in exported.parameters()) > 0 and not any(p.isnan().any() for p in exported.parameters())

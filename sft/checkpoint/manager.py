@@ -30,9 +30,9 @@ from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
                                    checkpoint_problem, committed_checkpoints, content_problem, read_train_state,
                                    rng_file, step_of)
-from sft.checkpoint.staging import HostStaging, local, tensors_of
+from sft.checkpoint.staging import HostStaging, tensors_of
 from sft.config import Config, to_yaml
-from sft.distributed import DistEnv, decided_on_rank0, log0
+from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
 from sft.models.lora import trained_state
 from sft.models.weights import initial_weights, load_weights
 from sft.training.optim import state_bytes
@@ -279,7 +279,7 @@ class Checkpointer:
         on, so that the first save, too, only copies."""
         if self.cfg.checkpoint.stages_in_host_memory:
             state = self._training_state(model, optimizer)
-            staged = sum(local(tensor).nbytes for tensor in tensors_of(state)) / 2**30
+            staged = sum(local_part(tensor).nbytes for tensor in tensors_of(state)) / 2**30
             log0(f"checkpoint: asynchronous saves keep {staged:.1f} GiB per rank of host memory for staging "
                  "(rank 0's share; pinned where the state is on the GPU)")
             self._staging_job = self._writer.submit(self._staging.allocate, state, self.env.rank)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from sft.distributed import local_part
 
 
 class HostStaging:
@@ -38,13 +39,13 @@ class HostStaging:
 
         def empty(path: str, tensor: torch.Tensor) -> torch.Tensor:
             made[path] = torch.empty_like(tensor, device="cpu")  # a DTensor keeps its sharding
-            if local(tensor).is_cuda and _pinnable(local(made[path])):
-                to_pin.append(local(made[path]))
+            if local_part(tensor).is_cuda and _pinnable(local_part(made[path])):
+                to_pin.append(local_part(made[path]))
             return made[path]
 
         try:
             _map_tensors(state, empty)
-            if any(local(buffer).device.type != "cpu" for buffer in made.values()):
+            if any(local_part(buffer).device.type != "cpu" for buffer in made.values()):
                 raise RuntimeError("empty_like(..., device='cpu') did not give host memory")
             for host in to_pin:
                 # Fault the new pages in here, beside training: cudaHostRegister would do it while
@@ -67,11 +68,11 @@ class HostStaging:
         def refill(path: str, tensor: torch.Tensor) -> torch.Tensor:
             buffer = previous.get(path)
             if buffer is not None and _same_layout(buffer, tensor):
-                local(buffer).copy_(local(tensor), non_blocking=True)
+                local_part(buffer).copy_(local_part(tensor), non_blocking=True)
             else:  # not made ahead, or the state changed shape: a new buffer
                 buffer = tensor.to("cpu", copy=True)
-                if local(tensor).is_cuda and _pinnable(local(buffer)):
-                    self._to_pin.append(local(buffer))
+                if local_part(tensor).is_cuda and _pinnable(local_part(buffer)):
+                    self._to_pin.append(local_part(buffer))
             self._buffers[path] = buffer
             return buffer
 
@@ -119,5 +120,3 @@ def _same_layout(buffer: torch.Tensor, state: torch.Tensor) -> bool:
             and getattr(buffer, "placements", None) == getattr(state, "placements", None))
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

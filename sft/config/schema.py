@@ -113,8 +113,8 @@ class OptimConfig:
     state_dtype: Literal["float32", "bfloat16"] = "float32"
     """AdamW's two moments: float32 (8 bytes per trained parameter), or bfloat16 (4 bytes, written
     with stochastic rounding so that their small per-step changes are not rounded away; math in
-    float32). Measured on a 0.39B model over 1,000 steps: final eval loss +0.5% on average over
-    two seeds, +1.3% on one (docs/BENCHMARKS.md, issue #36)."""
+    float32). Measured on a 0.39B model: eval loss +0.5% on average over two seeds (at steps
+    1,000 and 900), +1.3% on one: above the 1% goal there (docs/BENCHMARKS.md, issue #36)."""
     master_dtype: Literal["float32", "bfloat16"] = "float32"
     """The trained weights the optimizer updates: float32 masters (4 bytes per parameter, and
     float32 gradients: 4 more), or bfloat16 ones updated with stochastic rounding (2 + 2 bytes:
@@ -124,7 +124,7 @@ class OptimConfig:
     reduction's result on its own stream, whose freed memory (28 GiB for Qwen3-30B-A3B on 2 GPUs)
     the next forward cannot use (measured: allocator retries every step). Not with LoRA or
     fsdp.cpu_offload. plan.allow_lean_state lets plan.auto choose these two. Measured (both
-    bfloat16): final eval loss +0.9% on average over two seeds, +1.5% on one."""
+    bfloat16): eval loss +0.9% on average over two seeds, +1.5% on one."""
 
 
 @dataclass

@@ -10,8 +10,8 @@ parameter names, checkpoints and hub files are the model's) and computes it:
 
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
 * sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows
-  (`GroupedExperts`, which owns the expert weights) with `grouped_mm` on the gathered weights (bf16 under fsdp.param_dtype=bfloat16, never the
-  float32 masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity,
+  (`GroupedExperts`, which owns the expert weights) with `grouped_mm` on the gathered weights
+  (bf16 under fsdp.param_dtype=bfloat16, never the masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity,
   no dropped token, and every shape depends only on the number of tokens, so a compiled block sees
   one graph (dynamic in the token count) and no graph break. Where the kernel cannot run (float32
   weights, e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the
@@ -52,10 +52,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from sft.config import MoEConfig
+from sft.distributed import local_part
 from sft.errors import UserError
 
 
@@ -136,12 +136,6 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, tr
     return _per_expert_linear(x, weight, ends)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts of a weight: under expert parallelism (sft/parallel/expert_parallel.py)
-    the gathered weight is a DTensor over the ep ranks, sharded by expert."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 class GroupedExperts(nn.Module):
     """A block's experts, run on rows sorted by expert. It takes over the Hugging Face module's
     weights under their own names (`gate_up_proj`, `down_proj`, gpt-oss's biases), so parameter
@@ -169,13 +163,15 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Each row through its expert's SwiGLU: rows sorted by (this rank's) expert, `expert_ids`
         their experts, `ends[e]` the end row of expert e (int32)."""
+        # Under expert parallelism the gathered weights are DTensors over the ep ranks, sharded by
+        # expert (sft/parallel/expert_parallel.py): their local part is this rank's experts.
         transposed = self.layout.transposed
-        gate_up = grouped_linear(rows, _local(self.gate_up_proj), ends, transposed)
+        gate_up = grouped_linear(rows, local_part(self.gate_up_proj), ends, transposed)
         if self.layout.biased:
-            gate_up = gate_up + _local(self.gate_up_proj_bias)[expert_ids]
-        out = grouped_linear(self._glu(gate_up), _local(self.down_proj), ends, transposed)
+            gate_up = gate_up + local_part(self.gate_up_proj_bias)[expert_ids]
+        out = grouped_linear(self._glu(gate_up), local_part(self.down_proj), ends, transposed)
         if self.layout.biased:
-            out = out + _local(self.down_proj_bias)[expert_ids]
+            out = out + local_part(self.down_proj_bias)[expert_ids]
         return out
 
 

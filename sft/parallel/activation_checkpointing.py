@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from sft.config import AC_MODES, ACMode
 from sft.distributed import log0
@@ -31,6 +31,7 @@ BLOCK_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 class BlockShape(Protocol):
+    top_k: int  # experts per token (0: a dense block)
     hidden: int
     q_dim: int
     kv_dim: int
@@ -41,7 +42,7 @@ class BlockShape(Protocol):
 def _output_width(s: BlockShape, matmul: str) -> int:
     """Per token; an MoE block's down projection gives top_k rows per token (its ffn is top_k x the
     expert's intermediate size already)."""
-    down = s.hidden * max(1, getattr(s, "top_k", 0))
+    down = s.hidden * max(1, s.top_k)
     return {"q": s.q_dim, "k": s.kv_dim, "v": s.kv_dim, "o": s.hidden, "gate": s.ffn, "up": s.ffn, "down": down}[matmul]
 
 
@@ -56,7 +57,7 @@ def kept_bytes_per_token(s: BlockShape, compiled: bool, mode: str) -> int:
     else bf16. Compiled, the partitioner keeps only what backward reads, and backward never reads
     the down projection's output; eager, selective checkpointing keeps it anyway (and MoE experts
     may run eagerly: sft/parallel/expert_parallel.py, so theirs is counted)."""
-    moe = getattr(s, "top_k", 0) > 0
+    moe = s.top_k > 0
     kept = s.hidden + sum(_output_width(s, m) for m in kept_matmuls(mode) if not (compiled and m == "down" and not moe))
     attention = AC_MODES[mode].keep_attention
     return 2 * (kept + (s.q_dim if attention else 0)) + (4 * s.heads if attention else 0)
@@ -153,11 +154,6 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kep
 
     chosen = set(ac_block_indices(len(blocks), ac.ratio))
     mode = AC_MODES[ac.mode]
-    # An FSDP unit inside a checkpointed block (expert parallelism's experts) marks its hooks for the
-    # profiler a different number of times in forward and in recomputation, and selective
-    # checkpointing matches every op of the two by count. The marks compute nothing: not matched.
-    SAC_IGNORED_OPS.update((torch.ops.profiler._record_function_enter_new.default,
-                            torch.ops.profiler._record_function_exit._RecordFunction))
     # Selective: the contexts tell autograd (or, compiled, the partitioner) which op outputs to keep.
     options = {}
     if mode.keep_every_matmul is not None or always_kept:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from sft.distributed import log0
 from sft.models.moe import GroupedExperts, expert_ends
@@ -55,7 +56,8 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
     returns their outputs in the same order."""
     ranks = group.size()
     local = num_experts // ranks
-    sent_counts = torch.bincount(sorted_ids, minlength=num_experts)  # [E]: rows for each expert, from here
+    # [E]: rows for each expert, from here; from the sorted ids' group ends (bincount syncs on CUDA)
+    sent_counts = torch.diff(expert_ends(sorted_ids, num_experts).long(), prepend=sorted_ids.new_zeros(1))
     # [ranks x local]: rows each rank sends to each of this rank's experts
     received_counts = funcol.all_to_all_single(sent_counts, None, None, group).wait()
     sent, received = torch.stack([sent_counts.view(ranks, local).sum(1),
@@ -84,6 +86,11 @@ def _shard_by_expert(experts: nn.Module, mesh) -> None:
 def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:
     """Spread every MoE block's experts over the ep ranks and send each block's rows across them."""
     mesh = dims.ep_mesh
+    # Each block's experts become an FSDP unit inside the (checkpointed) block, whose hooks mark
+    # themselves for the profiler a different number of times in forward and in recomputation;
+    # selective checkpointing matches every op of the two by count. The marks compute nothing.
+    SAC_IGNORED_OPS.update((torch.ops.profiler._record_function_enter_new.default,
+                            torch.ops.profiler._record_function_exit._RecordFunction))
     for block in moe.blocks:
         _shard_by_expert(block.experts, mesh)
         block.run_experts = functools.partial(run_experts_across_ranks, group=mesh.get_group())

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from sft.config import DTYPES, OptimConfig
+from sft.distributed import local_part
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,11 @@ class StateBytes:
     """Bytes per trained parameter of each part of the training state; the planner, the checkpoint
     size warnings and the host staging all count with these."""
     master: int = 4
-    """the float32 master weight"""
+    """the master weight (float32; bf16 with optim.master_dtype)"""
     grad: int = 4
-    """its float32 gradient, from backward to the optimizer step"""
+    """its gradient, from backward to the optimizer step (in the master's dtype)"""
     optimizer: int = 8
-    """AdamW's two float32 moments"""
+    """AdamW's two moments (float32; bf16 with optim.state_dtype)"""
 
     @property
     def checkpoint(self) -> int:
@@ -59,32 +60,31 @@ def apply_master_dtype(model: nn.Module, cfg: OptimConfig) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 # Elements LeanAdamW updates at a time: 256 MiB per float32 temporary (a whole shard of experts'
 # would take GBs), few enough launches not to leave the GPU waiting on Python.
-_CHUNK = 1 << 26
+_UPDATE_CHUNK_ELEMENTS = 1 << 26
 
 
 def stochastic_round_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
     """out (any dtype) = value (float32); into bfloat16 rounded stochastically: the 16 bits that
     bfloat16 drops are replaced by a uniform draw added to them, then truncated, so the result is
-    the neighbour above with the probability of the dropped fraction (unbiased)."""
+    the neighbour above with the probability of the dropped fraction (unbiased). NaN stays NaN
+    (its bits plus the draw could carry into the sign or lose the payload: -0 or inf)."""
     if out.dtype != torch.bfloat16:
         out.copy_(value)
         return
     bits = value.view(torch.int32)
     noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
-    out.copy_(((bits + noise) & -65536).view(torch.float32))  # exact: the low 16 bits are zero
+    rounded = ((bits + noise) & -65536).view(torch.float32)  # exact in bf16: the low 16 bits are zero
+    out.copy_(torch.where(value.isnan(), value, rounded))
 
 
 class LeanAdamW(torch.optim.Optimizer):
     """AdamW (torch's, decoupled weight decay) with moments in `state_dtype` and parameters of any
     dtype, computed in float32 one parameter shard at a time (DTensor shards are updated locally,
     elementwise) and written back with stochastic rounding where bfloat16. The rounding draws come
-    from a generator seeded by (seed, step, rank): a resumed run draws exactly what it would have."""
+    from a generator seeded by (seed, step, rank): a resumed run draws exactly what it would have.
+    (Not under HSDP, whose replicas would round their copies of a shard apart: sft/config/checks.py.)"""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, state_dtype: torch.dtype,
                  seed: int = 0):
@@ -110,12 +110,13 @@ class LeanAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
                 state["step"] += 1
                 step = int(state["step"])
-                tensors = [_local(t).view(-1) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
+                tensors = [local_part(t).view(-1) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if tensors[0].device not in generators:
                     generators[tensors[0].device] = self._generator(tensors[0].device, step)
                 # In chunks: the float32 temporaries of a whole shard of experts would be gigabytes.
-                for start in range(0, tensors[0].numel(), _CHUNK):
-                    self._update(*(t[start:start + _CHUNK] for t in tensors), group, step, generators[tensors[0].device])
+                for start in range(0, tensors[0].numel(), _UPDATE_CHUNK_ELEMENTS):
+                    chunk = slice(start, start + _UPDATE_CHUNK_ELEMENTS)
+                    self._update(*(t[chunk] for t in tensors), group, step, generators[tensors[0].device])
 
     @staticmethod
     def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -163,6 +164,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     for param in (p for p in model.parameters() if p.grad is not None):
         by_mesh.setdefault(getattr(param, "device_mesh", None), []).append(param)
     groups, norms = list(by_mesh.values()), []
+    if not groups:
+        return torch.zeros(())
     for params in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
