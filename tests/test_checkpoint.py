@@ -319,6 +319,7 @@ def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
     cache = tmp_path / "prepared"
     first = run_demo(demo_data, tmp_path, "first", "train.max_steps=1", f"model.prepared_cache={cache}", nproc=2)
     assert f"wrote the prepared-model cache {cache}" in first.stdout and (cache / ".metadata").is_file()
+    written = [p.name for p in cache.iterdir()]
     second = run_demo(demo_data, tmp_path, "second", "train.max_steps=1", "train.seed=7",
                       f"model.prepared_cache={cache}")
     assert f"loaded the prepared-model cache {cache}" in second.stdout
@@ -326,3 +327,11 @@ def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
     assert initial[1] == pytest.approx(initial[0], rel=1e-6)
     run_demo(demo_data, tmp_path, "fresh", "train.max_steps=1", "train.seed=7")
     assert eval_losses(tmp_path / "fresh")[0] != initial[0]
+    # LoRA runs of two ranks read the base from it (adapters from their own init: B = 0, so the model
+    # is the base in bf16; seed 7, whose own random init differs) and leave it as it was.
+    for rank in (4, 8):
+        lora = run_demo(demo_data, tmp_path, f"lora{rank}", "train.max_steps=1", "train.seed=7", f"lora.rank={rank}",
+                        "fsdp.param_dtype=bfloat16", f"model.prepared_cache={cache}")
+        assert f"loaded the prepared-model cache {cache}" in lora.stdout
+        assert eval_losses(tmp_path / f"lora{rank}")[0] == pytest.approx(initial[0], rel=1e-3)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(written)

@@ -33,8 +33,8 @@ from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_ST
 from sft.checkpoint.staging import HostStaging, tensors_of
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
-from sft.models.lora import trained_state
-from sft.models.weights import initial_weights, load_weights
+from sft.models.lora import is_adapter, trained_state
+from sft.models.weights import initial_weights, initialise_adapters, load_weights
 from sft.training.optim import state_bytes
 
 
@@ -183,16 +183,22 @@ class Checkpointer:
         or random init (writing the cache where it is asked for and missing); what was loaded."""
         prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
         if prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None:
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=prepared)
-            set_model_state_dict(model, state["model"])
+            # The model's own weights only: LoRA adapters start from their own initialisation.
+            state = {"model": {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}}
+            dcp.load(state, checkpoint_id=prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+            initialise_adapters(model, self.cfg.train.seed, self.env.device)
             return f"loaded the prepared-model cache {prepared}"
         load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
         source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
         if prepared is None:
             return f"loaded weights from {source}"
+        if any(p.dtype != torch.float32 for p in model.parameters()):
+            # A LoRA base or bf16 masters: a cache of them would give a later float32 run rounded weights.
+            return f"loaded weights from {source}; the prepared-model cache is written by float32 runs only"
         with AllRanksCommit(prepared, self.env) as tmp:
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=tmp)
+            dcp.save({"model": {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}},
+                     checkpoint_id=tmp)
         return f"loaded weights from {source}; wrote the prepared-model cache {prepared}"
 
     def _training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

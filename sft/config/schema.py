@@ -29,7 +29,9 @@ class ModelConfig:
     """Attention kernel passed to transformers (sdpa, eager, flex_attention, flash_attention_2, ...)."""
     prepared_cache: str | None = None
     """A directory for a one-time sharded (DCP) copy of the loaded float32 model: the first run
-    writes it, later runs of the same model load it instead of the Hugging Face files."""
+    writes it, later runs of the same model load it instead of the Hugging Face files. Only a run
+    whose weights are all float32 writes it (a LoRA base or bf16 masters would hand later runs
+    rounded weights); LoRA runs read it for the base, their adapters start from their own init."""
 
 
 @dataclass

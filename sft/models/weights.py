@@ -137,13 +137,7 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
                 full = weights.read(clean_name(name), tuple(slice(None) for _ in param.shape), device)
                 model.get_submodule(module_name).register_parameter(attr, quantized(full))
                 continue
-            if isinstance(param, DTensor):
-                # The public chunk description DCP itself uses: where this rank's shard sits.
-                chunk = param.__create_chunk_list__()[0]
-                shape, offset, local = chunk.sizes, chunk.offsets, param.to_local()
-            else:
-                shape, offset, local = param.shape, (0,) * param.dim(), param
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            index, local = _shard(param)
             name = clean_name(name)
             # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
             if is_adapter(name):
@@ -151,6 +145,27 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             else:
                 value = weights.read(name, index, device)
             local.copy_(value)
+
+
+def initialise_adapters(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Every LoRA adapter of `model` (sharded or not) to its initial value, as load_weights sets it
+    (for weights that come from elsewhere: the prepared-model cache)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter(clean_name(name)):
+                index, local = _shard(param)
+                local.copy_(initial_adapter(clean_name(name), tuple(param.shape), seed, device)[index])
+
+
+def _shard(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
+    """(where this rank's part of `param` sits in the whole tensor, that part)."""
+    if isinstance(param, DTensor):
+        # The public chunk description DCP itself uses: where this rank's shard sits.
+        chunk = param.__create_chunk_list__()[0]
+        shape, offset, local = chunk.sizes, chunk.offsets, param.to_local()
+    else:
+        shape, offset, local = param.shape, (0,) * param.dim(), param
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape)), local
 
 
 
