@@ -412,10 +412,15 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         lines.append(host_problem(s, cfg, m) or _nothing_fits(cfg, m))
         if roomier := roomier_layout(s, cfg, m):
             roomier_cfg, roomier_choice, overrides = roomier
-            lean = "optim." in overrides
-            lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} "
-                         f"({state_bytes(roomier_cfg.optim).total} bytes of state per parameter; plan.auto chooses it"
-                         + (" with plan.allow_lean_state=true)" if lean else ")"))
+            state = f"{state_bytes(roomier_cfg.optim).total} bytes of state per parameter"
+            if roomier_choice is None:
+                least = min(predict_gib(s, roomier_cfg, m.gpus, micro, ratio, mode)
+                            for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS)
+                lines.append(f"nor with {overrides} ({state}): the least any setting needs is {least:.1f} GiB per GPU")
+            else:
+                lean = "optim." in overrides
+                lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} ({state}; plan.auto chooses it"
+                             + (" with plan.allow_lean_state=true)" if lean else ")"))
     degree = smallest_cp(s, cfg, m)
     if degree is not None and degree != cfg.cp.degree:
         lines.append(f"context parallelism: cp.degree={degree} is the smallest at which a row of "
@@ -423,13 +428,13 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     return "\n".join(lines), choice is not None
 
 
-def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple, str] | None:
+def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, str] | None:
     """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
     experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
     weights and gradient reduction. Each step adds to the ones before; a step the config's checks
     refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As (config, suggest's
-    choice, its overrides); None if none fits."""
+    choice, its overrides); where none fits, the roomiest with choice None; None if there is none."""
     shard_ranks = ParallelDims.of(cfg, m.gpus).shard_ranks
     steps = []
     if s.experts and cfg.moe.ep_degree == 1 and shard_ranks > 1 and s.experts % shard_ranks == 0:
@@ -446,8 +451,10 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
             continue  # already so, or refused
         roomier, overrides = candidate, {**overrides, **step}
         if choice := suggest(s, roomier, m):
-            return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
-    return None
+            break
+    if roomier is cfg:
+        return None
+    return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
 
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
@@ -464,7 +471,8 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         # ranks, so the global batch has fewer rows). Before anything that changes the numerics.
         cfg.cp.degree, note = degree, f"cp.degree={degree} "
         choice = suggest(shapes, cfg, m)
-    if choice is None and (roomier := roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state)):
+    roomier = roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state) if choice is None else None
+    if roomier is not None and roomier[1] is not None:
         roomier_cfg, choice, overrides = roomier
         for section in ("moe", "optim", "fsdp"):
             setattr(cfg, section, getattr(roomier_cfg, section))

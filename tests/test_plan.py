@@ -499,3 +499,12 @@ def test_expert_parallelism_gathers_a_share_of_the_experts():
     assert s.block_experts == 128 * 3 * 2048 * 768
     one, two = (peak_bytes(s, 2, 8192, 4096, 1.0, True, ep=ep) for ep in (1, 2))
     assert 0 < (one - two) / ALLOCATOR_SLACK < 2 * 2 * s.block_experts * 1.5  # the gathered experts, less the arrived rows
+
+
+def test_plan_says_how_close_the_roomiest_layout_comes(at_repo, capsys):
+    """configs/qwen3_30b_a3b.yaml (grad-acc 8: the bf16 gradients live through forward) on 2 x 141
+    GiB: nothing fits, not even with ep 2 and 8 bytes of state; the planner says by how much."""
+    status, out = plan_cli(capsys, "--config", "configs/qwen3_30b_a3b.yaml", "--gpus", "2", "--gpu-mem", "141")
+    assert status == 1
+    assert ("nor with moe.ep_degree=2 optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 fsdp.reduce_dtype=bfloat16 "
+            "(8 bytes of state per parameter): the least any setting needs is 127.6 GiB per GPU") in out
