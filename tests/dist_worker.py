@@ -79,6 +79,8 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
                    help="instead of a step: the loss of a packed row's last document as earlier ones change")
     p.add_argument("--empty-experts-probe", action="store_true",
                    help="instead of a step: expert parallelism with every row routed to rank 0's experts")
+    p.add_argument("--save-state", help="after the step, save model and optimizer state with DCP to this dir")
+    p.add_argument("--load-state", help="after the step, load model and optimizer state with DCP from this dir")
     p.add_argument("--reference", action="store_true")
     p.add_argument("--micro-batch", type=int, help="MoE reference: the micro-batches of the run it stands for")
     p.add_argument("--attn", default="sdpa", help="model.attn_implementation (gpt-oss: eager)")
@@ -241,6 +243,8 @@ def run(args: argparse.Namespace, env) -> dict:
         result["optimizer_state_of_frozen"] = [n for n, p in named.items() if not p.requires_grad and p in optimizer.state]
         head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
         result["tied_after_step"] = head is embed
+        if args.save_state or args.load_state:
+            result["state"] = save_or_load_state(model, optimizer, args.save_state, args.load_state)
 
     result["grads"] = {clean_name(n): full(p.grad) for n, p in named.items() if p.grad is not None}
     return result
@@ -292,6 +296,32 @@ def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
     base = last_document_loss(first, second, last)
     return {"base": base, "earlier_changed": last_document_loss(other_first, other_second, last),
             "own_changed": last_document_loss(first, second, [(last[0] + 1) % 800, *last[1:]])}
+
+
+def save_or_load_state(model, optimizer, save: str | None, load: str | None) -> dict[str, torch.Tensor]:
+    """Save the model's and optimizer's state to `save`, or load it from `load` (DCP, as the
+    checkpoints do); return every tensor of it, gathered whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    if save:
+        dcp.save(state, checkpoint_id=save)
+    else:
+        with torch.no_grad():  # nothing of this run's own state may survive the load
+            for tensor in [*state["model"].values(), *(v for values in state["optimizer"]["state"].values()
+                                                      for v in values.values() if isinstance(v, torch.Tensor))]:
+                local(tensor).zero_()
+        assert not any(local(p).any() for p in model.parameters()), "the state dict is not the model's own tensors"
+        dcp.load(state, checkpoint_id=load)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    whole = {f"model.{k}": full(v) for k, v in state["model"].items()}
+    for name, values in state["optimizer"]["state"].items():
+        whole.update({f"optimizer.{name}.{k}": full(v) for k, v in values.items() if isinstance(v, torch.Tensor)})
+    return whole
 
 
 def empty_experts_probe(env) -> dict:

@@ -163,7 +163,7 @@ def runs(tmp_path_factory, models):
     for name, tie, nproc, flags, *_ in EQUIVALENT:
         launches[nproc][name] = [*model[tie], *flags]
     for name, moe, nproc, flags in MOE_RUNS:
-        launches[nproc][name] = [*model[moe], *flags]
+        launches[nproc][name] = [*model[moe], *(flag.replace("{out}", str(out)) for flag in flags)]
     for name, nproc, flags, *_ in LORA_RUNS + QLORA_RUNS:
         launches[nproc][name] = [*model["untied"], *flags]
     for name, ac_flags, flags in AC_EQUAL_TO_NONE:
@@ -264,6 +264,18 @@ def test_expert_parallel_rank_whose_experts_get_no_row_takes_part(runs):
     assert probe["rank1_grad_abs_sum"] == 0.0
 
 
+@pytest.mark.slow
+def test_state_saved_at_ep_2_loads_bit_exact_at_ep_1(runs):
+    """Checkpoints are not tied to the ep degree: the model and optimizer state a run at ep 2 saves
+    (experts sharded over ep and again by FSDP) is, loaded by a run without expert parallelism,
+    every tensor bit for bit."""
+    saved, loaded = runs("ep 2 saves its state")["state"], runs("ep 1 loads it")["state"]
+    assert saved.keys() == loaded.keys() and any(".experts." in key for key in saved)
+    assert any(key.endswith("exp_avg_sq") for key in saved)
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key
+
+
 # Mixture of experts (tiny Qwen3-MoE, 8 experts, top 2): (name, model, ranks, dist_worker flags). The
 # references are Hugging Face's model (its per-expert loop, its load_balancing_loss_func with padding
 # masked) on the same micro-batches of 2 samples (tests/dist_worker.py:moe_reference).
@@ -289,6 +301,9 @@ MOE_RUNS = [
     ("moe ep 4", "moe", 4, ["--ep", "4"]),
     ("gpt-oss ep 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager", "--ep", "2"]),
     ("ep: one rank's experts get no row", "moe", 2, ["--empty-experts-probe"]),
+    # The state after a step at ep 2, saved with DCP, then loaded by a run at ep 1 (after its own step)
+    ("ep 2 saves its state", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--save-state", "{out}/ep2-state"]),
+    ("ep 1 loads it", "moe", 2, ["--grad-accum", "2", "--load-state", "{out}/ep2-state"]),
 ]
 # (reference, run). The gradients' atol is 1e-6, not the dense rows' 1e-7: gradients summed over every
 # token (embeddings, biases) reach their sums in another order than Hugging Face's per-expert loop and
