@@ -33,7 +33,7 @@ from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_ST
 from sft.checkpoint.staging import HostStaging, tensors_of
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
-from sft.models.lora import is_adapter, trained_state
+from sft.models.lora import checkpointed_parameters, is_adapter
 from sft.models.weights import initial_weights, initialise_adapters, load_weights
 from sft.training.optim import state_bytes
 
@@ -146,8 +146,8 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if not c.enabled:
             return
-        size = state_bytes(self.cfg.optim).checkpoint * sum(p.numel() for p in model.parameters()
-                                            if p.requires_grad or not self.cfg.lora.enabled)
+        size = state_bytes(self.cfg.optim).checkpoint * sum(
+            p.numel() for p in checkpointed_parameters(model, self.cfg.lora.enabled).values())
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
         more = max(1, min(c.most_on_disk, saves) - len(committed_checkpoints(self.root)))
@@ -204,9 +204,10 @@ class Checkpointer:
     def _training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """What a checkpoint holds of the model and optimizer: all of it, or with LoRA what trains
         (the frozen base is read again from its source)."""
-        weights = get_model_state_dict(model)
+        weights = get_model_state_dict(model)  # all of it (buffers, a tied head's second name) without LoRA
         if self.cfg.lora.enabled:
-            weights = trained_state(weights, model)
+            held = checkpointed_parameters(model, lora=True)
+            weights = {name: value for name, value in weights.items() if name in held}
         return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
     def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,

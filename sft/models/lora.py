@@ -6,7 +6,7 @@ training starts from the base model exactly. Everything else is frozen too, but 
 (e.g. the embeddings and lm_head, for new tokens), which train in full.
 
 * Storage: a frozen parameter is kept in the compute dtype (fsdp.param_dtype: no float32 master
-  copy), gets no gradient, no optimizer state and no place in the checkpoints (`trained_state`);
+  copy), gets no gradient, no optimizer state and no place in the checkpoints (`checkpointed_parameters`);
   the base is read again from the model's files when a run resumes. The adapters and the modules
   to save keep float32 masters and AdamW moments, like full fine-tuning.
 * Names: a `LoRALinear` takes the Linear's place and keeps its `weight` and `bias` under their own
@@ -89,11 +89,11 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def trained_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """The entries of a model state dict that a LoRA checkpoint holds: the parameters that train
-    (the state dict names them without the activation checkpointing wrapper's prefix)."""
-    trained = {clean_name(name) for name, param in model.named_parameters() if param.requires_grad}
-    return {key: value for key, value in state.items() if key in trained}
+def checkpointed_parameters(model: nn.Module, lora: bool) -> dict[str, nn.Parameter]:
+    """The parameters a checkpoint holds, by the name the state dict gives them (without the
+    activation checkpointing wrapper's prefix): all of them, or with LoRA those that train (the
+    frozen base is read again from its source)."""
+    return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad or not lora}
 
 
 def _targets(blocks: list[nn.Module], patterns: list[str]) -> dict[str, list[tuple[nn.Module, str, nn.Linear]]]:
