@@ -147,9 +147,9 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
 def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
     """train.py on configs/demo_moe.yaml, 2 ranks, expert parallel (moe.ep_degree=2): the loss falls;
     metrics.jsonl has the aux loss and each layer's expert load; a run resumed from step 3 repeats
-    steps 4-6 exactly (loss, grad norm, aux loss), and one resumed without expert parallelism
-    continues from the same state (DCP reshards the experts; sums in another order); the export
-    has one tensor per expert and reloads in transformers to the checkpoint's weights."""
+    steps 4-6 exactly (loss, grad norm, aux loss); the export has one tensor per expert and reloads
+    in transformers to the checkpoint's weights. (Its state loads bit for bit without expert
+    parallelism: tests/test_distributed.py.)"""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -161,13 +161,9 @@ def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
 
     train("whole", "checkpoint.every_steps=3", "checkpoint.export_hf=true", "moe.ep_degree=2")
     train("resumed", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}", "moe.ep_degree=2")
-    train("resumed at ep 1", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}")
     whole, _ = read_metrics(tmp_path / "whole")
     resumed, _ = read_metrics(tmp_path / "resumed")
-    at_ep1, _ = read_metrics(tmp_path / "resumed at ep 1")
-    for step in (4, 5, 6):
-        for key in ("loss", "grad_norm", "aux_loss"):
-            assert at_ep1[step][key] == pytest.approx(whole[step][key], rel=1e-5), (step, key)
+
     assert whole[6]["loss"] < 0.9 * whole[1]["loss"]
     assert len(whole[1]["expert_load_cv"]) == len(whole[1]["dead_experts"]) == 4 and whole[1]["aux_loss"] > 0
     for step in (4, 5, 6):
