@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     # Model: built on meta, parallelized in the fixed order (sft/parallel/parallelize.py), then
     # materialised shard by shard, so no rank ever holds the full weights.
     model = rank0_first(lambda: build_meta_model(cfg.model))
-    moe = apply_moe(model, cfg.moe)  # MoE models: our routing, experts and load-balancing loss; None if dense
+    # MoE models: our routing, experts and load-balancing loss; None if dense (rank 0 first: one error)
+    moe = rank0_first(lambda: apply_moe(model, cfg.moe))
     # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.
     blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
     if applied := apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype]):

@@ -74,6 +74,11 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def _base_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without LoRA adapters: what the prepared-model cache holds."""
+    return {name: value for name, value in get_model_state_dict(model).items() if not is_adapter(name)}
+
+
 class Checkpointer:
     """Owns a run's checkpoints: the resume point, saves committed atomically, and restore,
     including where the initial weights come from when there is nothing to resume."""
@@ -184,7 +189,7 @@ class Checkpointer:
         prepared = Path(self.cfg.model.prepared_cache) if self.cfg.model.prepared_cache else None
         if prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None:
             # The model's own weights only: LoRA adapters start from their own initialisation.
-            state = {"model": {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}}
+            state = {"model": _base_state(model)}
             dcp.load(state, checkpoint_id=prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
             initialise_adapters(model, self.cfg.train.seed, self.env.device)
@@ -197,8 +202,7 @@ class Checkpointer:
             # A LoRA base or bf16 masters: a cache of them would give a later float32 run rounded weights.
             return f"loaded weights from {source}; the prepared-model cache is written by float32 runs only"
         with AllRanksCommit(prepared, self.env) as tmp:
-            dcp.save({"model": {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}},
-                     checkpoint_id=tmp)
+            dcp.save({"model": _base_state(model)}, checkpoint_id=tmp)
         return f"loaded weights from {source}; wrote the prepared-model cache {prepared}"
 
     def _training_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

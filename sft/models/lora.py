@@ -63,7 +63,6 @@ class LoRALinear(nn.Module):
         return F.linear(x, weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
-
 # Bytes per frozen parameter of a 4-bit NormalFloat base (lora.base: nf4, torchao's NF4Tensor): 4 bits
 # a value, an int8 scale per block of 64 values, a float32 scale of those per 256 blocks.
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)

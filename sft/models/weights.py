@@ -137,19 +137,17 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
                 full = weights.read(clean_name(name), tuple(slice(None) for _ in param.shape), device)
                 model.get_submodule(module_name).register_parameter(attr, quantized(full))
                 continue
+            if is_adapter(clean_name(name)):
+                continue  # no model file holds them: initialise_adapters, below
             index, local = _shard(param)
-            name = clean_name(name)
             # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
-            if is_adapter(name):
-                value = initial_adapter(name, tuple(param.shape), weights.seed, device)[index]
-            else:
-                value = weights.read(name, index, device)
-            local.copy_(value)
+            local.copy_(weights.read(clean_name(name), index, device))
+    initialise_adapters(model, weights.seed, device)
 
 
 def initialise_adapters(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Every LoRA adapter of `model` (sharded or not) to its initial value, as load_weights sets it
-    (for weights that come from elsewhere: the prepared-model cache)."""
+    """Every LoRA adapter of `model` (sharded or not) to its initial value, seeded like random init
+    (load_weights, and the prepared-model cache, which holds none)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if is_adapter(clean_name(name)):
