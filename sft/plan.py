@@ -3,14 +3,16 @@ mode) and micro-batch that fit.
 
     python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
 
-Peak = the larger of two moments, + 5% allocator slack. End of forward: fp32 params and both Adam
+Peak = the larger of two moments; what is allocated and freed within a step (all but the sharded
+state, allocated once in large tensors) gets 5% allocator slack. End of forward: fp32 params and both Adam
 moments (12 bytes per parameter over the shard group; gradients are None between steps, so +4
 from the second micro-batch of a step on), the gathered bf16 blocks (current + prefetched, or with
 ZeRO-2 every block until its backward; the root's embeddings and lm_head), activations (a
 checkpointed block keeps only its input, the others everything backward needs, plus one block
 being recomputed) and the loss buffers (one chunk of fp32 logits and its gradient, the fp32
 lm_head gradient formed in forward). End of backward: all 16 bytes per parameter of sharded
-state, the gathered blocks, one block's unsharded fp32 gradients and one block's activations.
+state, the gathered blocks, one block's unsharded gradients (fp32, or bf16 with
+fsdp.reduce_dtype=bfloat16) and one block's activations.
 optim.master_dtype / state_dtype = bfloat16 make the 16 bytes 12 (bf16 moments) or 8 (and bf16
 weights and gradients): sft/training/optim.py:state_bytes. Under expert parallelism (moe.ep_degree)
 a rank gathers only its share of each block's experts, and keeps the rows that arrived for them.
@@ -165,13 +167,13 @@ def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
                reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
                float8: bool = False, ac_mode: str = "blocks", cp: int = 1, ep: int = 1,
-               state: StateBytes = STATE_BYTES) -> float:
+               state: StateBytes = STATE_BYTES, reduce_bytes: int = 4) -> float:
     """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
     (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
     then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
     and compiled whole checkpointed blocks hold the size of the whole row's (see below). `ep`:
     moe.ep_degree, each rank gathers only its 1/ep of a block's experts. `state`: the bytes per
-    trained parameter of optim.master_dtype / state_dtype."""
+    trained parameter of optim.master_dtype / state_dtype; `reduce_bytes`: fsdp.reduce_dtype's."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
     # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16.
@@ -205,7 +207,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     loss = 2 * 4 * rows * s.vocab + (4 * s.head_trained + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
     # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
     # sharded gradients only from the second micro-batch of a step on: they are set to None after
-    # each step) and the end of backward (all sharded gradients alive, one block's unsharded float32
+    # each step) and the end of backward (all sharded gradients alive, one block's unsharded
     # gradients being reduced, activations gone).
     # With CPU offload the sharded state is on the host; the GPU holds only the fp32 shards of the
     # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
@@ -217,10 +219,11 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         nf4 = NF4_BYTES_PER_PARAMETER * s.nf4_params
         state_in_forward = ((state.checkpoint + grads_in_forward) * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
         state_in_backward = (state.total * s.trained + 2 * sharded_frozen) / shard_ranks + nf4
-    end_of_forward = state_in_forward + gathered + activations + loss
-    unsharded_grads = 4 * (s.block_trained_params - s.block_experts * (1 - 1 / ep))  # float32, for the reduce-scatter
-    end_of_backward = state_in_backward + gathered + unsharded_grads + tokens * per_token_layer
-    return ALLOCATOR_SLACK * max(end_of_forward, end_of_backward)
+    # in the reduce dtype, for the reduce-scatter
+    unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_experts * (1 - 1 / ep))
+    end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
+    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * per_token_layer)
+    return max(end_of_forward, end_of_backward)
 
 
 def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = False) -> float:
@@ -312,7 +315,7 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     return peak_bytes(s, ParallelDims.of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
                       cfg.precision.float8 != "none", ac_mode, cfg.cp.degree, cfg.moe.ep_degree,
-                      state_bytes(cfg.optim)) / GIB
+                      state_bytes(cfg.optim), 2 if cfg.fsdp.reduce_dtype == "bfloat16" else 4) / GIB
 
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
@@ -418,8 +421,11 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
                             for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS)
                 lines.append(f"nor with {overrides} ({state}): the least any setting needs is {least:.1f} GiB per GPU")
             else:
+                ratio, mode, micro, _ = roomier_choice
+                predicted = predict_gib(s, roomier_cfg, m.gpus, micro, ratio, mode)
                 lean = "optim." in overrides
-                lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} ({state}; plan.auto chooses it"
+                lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} ({predicted:.1f} GiB per GPU "
+                             f"predicted, {state}; plan.auto chooses it"
                              + (" with plan.allow_lean_state=true)" if lean else ")"))
     degree = smallest_cp(s, cfg, m)
     if degree is not None and degree != cfg.cp.degree:

@@ -8,7 +8,8 @@ import torch
 from helpers import DEMO_MODEL, run_demo, train_losses
 from sft.config import ModelConfig, OptimConfig
 from sft.models.build import build_meta_model
-from sft.training.optim import LeanAdamW, build_optimizer, build_scheduler, state_bytes, stochastic_round_
+from sft.training.optim import (LeanAdamW, build_optimizer, build_scheduler, rounding_noise, state_bytes,
+                                stochastic_round_)
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +83,14 @@ def test_stochastic_rounding_keeps_updates_below_bf16_resolution():
     """1000 updates of +1e-4 to weights of 1.0 (bf16's spacing there: 2^-7 = 0.0078): rounded to
     nearest every update is lost; rounded stochastically the mean weight reaches 1.1 (unbiased)."""
     weights, nearest = torch.ones(10_000, dtype=torch.bfloat16), torch.ones(10_000, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(1000):
-        stochastic_round_(weights, weights.float() + 1e-4, generator)
+    for step in range(1000):
+        stochastic_round_(weights, weights.float() + 1e-4, rounding_noise(step, 0, len(weights), "cpu"))
         nearest.copy_(nearest.float() + 1e-4)
     assert torch.equal(nearest, torch.ones_like(nearest))
     assert weights.float().mean().item() == pytest.approx(1.1, abs=2e-3)
     negative = torch.full((10_000,), -1.0, dtype=torch.bfloat16)
-    for _ in range(1000):
-        stochastic_round_(negative, negative.float() - 1e-4, generator)
+    for step in range(1000):
+        stochastic_round_(negative, negative.float() - 1e-4, rounding_noise(7919 * step, 0, len(weights), "cpu"))
     assert negative.float().mean().item() == pytest.approx(-1.1, abs=2e-3)
 
 
@@ -101,12 +101,42 @@ def test_stochastic_rounding_keeps_special_values_and_float32_targets():
     special = torch.cat([cuda_nan, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])])
     out = torch.empty(len(special), dtype=torch.bfloat16)
     for seed in range(20):
-        stochastic_round_(out, special, torch.Generator().manual_seed(seed))
+        stochastic_round_(out, special, rounding_noise(seed, 0, len(special), "cpu"))
         assert out[:2].isnan().all() and out[2] == float("inf") and out[3] == -float("inf")
         assert out[4] == 0 and not out[4].signbit() and out[5] == 0 and out[5].signbit()
     exact = torch.empty(3)
-    stochastic_round_(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]), None)
+    stochastic_round_(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]), rounding_noise(0, 0, 3, "cpu"))
     assert torch.equal(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled update runs on a GPU")
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype):
+    """The GPU's one-kernel update (compiled) against the host's eager one on the same shard and
+    draws: bf16 results equal but for values whose float32 result differs in its last bit (fused
+    multiply-adds) where that flips a rounding, by one bf16 step; float32 ones to float32 rounding."""
+    from torch._dynamo.utils import counters
+    from sft.training.optim import _compiled_update, _update
+    graphs = counters["stats"]["unique_graphs"]
+    torch.manual_seed(0)
+    n = (1 << 20) + 3  # not a multiple of any block size
+    host = [torch.randn(n).to(weight_dtype), torch.randn(n).to(weight_dtype) * 1e-2,
+            (torch.randn(n) * 1e-3).to(torch.bfloat16), (torch.rand(n) * 1e-5).to(torch.bfloat16)]
+    gpu = [t.cuda() for t in host]
+    scalars = dict(start=5, keys=(11, 22, 33), decay=1 - 1e-4, beta1=0.9, beta2=0.95, step_size=1e-3,
+                   bias_correction2_sqrt=0.3, eps=1e-8)
+    for step in range(3):  # later calls reuse the compiled graph with new scalars
+        _update(*host, **scalars)
+        _compiled_update()(*gpu, **scalars)
+        for a, b in ((host[i], gpu[i].cpu()) for i in (0, 2, 3)):  # weight, exp_avg, exp_avg_sq
+            if a.dtype == torch.bfloat16:
+                assert (a != b).float().mean() < 1e-3
+                torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+        scalars["keys"] = tuple(k + 1 for k in scalars["keys"])
+        scalars.update(step_size=scalars["step_size"] * 0.9, bias_correction2_sqrt=scalars["bias_correction2_sqrt"] + 0.1)
+    assert counters["stats"]["unique_graphs"] - graphs == 1  # no recompilation for new scalars
 
 
 @pytest.mark.parametrize("state_dtype, master_dtype, total", [("float32", "float32", 16), ("bfloat16", "float32", 12),

@@ -9,6 +9,7 @@ on weights of 1e-2) still move the weights on average instead of being rounded a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -60,48 +61,99 @@ def apply_master_dtype(model: nn.Module, cfg: OptimConfig) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-# Elements LeanAdamW updates at a time: 256 MiB per float32 temporary (a whole shard of experts'
-# would take GBs), few enough launches not to leave the GPU waiting on Python.
+# Elements LeanAdamW updates at a time: on the host (CPU runs) the update's float32 temporaries are
+# 256 MiB each, not a whole shard of experts' gigabytes; on a GPU each chunk is one fused kernel.
 _UPDATE_CHUNK_ELEMENTS = 1 << 26
 
 
-def stochastic_round_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift, multiply, twice) on int64 values below 2^32; its
+    products stay below 2^59, so nothing overflows on any device."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def _mix(*values: int) -> int:
+    """A 32-bit key from non-negative integers (splitmix64's steps; unlike hash(), the same in every
+    Python)."""
+    x, mask = 0, (1 << 64) - 1
+    for value in values:
+        x = ((x ^ value) + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        x ^= x >> 31
+    return x & 0xFFFFFFFF
+
+
+def rounding_noise(key: int, start: int, numel: int, device: torch.device | str) -> torch.Tensor:
+    """16 uniform random bits (int32 in [0, 2^16)) for each of `numel` elements from `start` of a
+    tensor: a hash of (the element index's hash + key). A counter-based generator has no state, so a
+    compiled update draws inside its one kernel, and a resumed run draws exactly what it would have.
+    (The index is hashed before the key is added: keys added to plain indices would give each step
+    a shifted window of one sequence, the same draws on neighbouring elements a step apart.)"""
+    index = torch.arange(numel, device=device, dtype=torch.int64) + start
+    return (_hash32((_hash32(index & 0xFFFFFFFF) + key) & 0xFFFFFFFF) & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round_(out: torch.Tensor, value: torch.Tensor, noise: torch.Tensor) -> None:
     """out (any dtype) = value (float32); into bfloat16 rounded stochastically: the 16 bits that
-    bfloat16 drops are replaced by a uniform draw added to them, then truncated, so the result is
+    bfloat16 drops get `noise` (uniform in [0, 2^16)) added, then are truncated, so the result is
     the neighbour above with the probability of the dropped fraction (unbiased). NaN stays NaN
     (its bits plus the draw could carry into the sign or lose the payload: -0 or inf)."""
     if out.dtype != torch.bfloat16:
         out.copy_(value)
         return
-    bits = value.view(torch.int32)
-    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
-    rounded = ((bits + noise) & -65536).view(torch.float32)  # exact in bf16: the low 16 bits are zero
+    rounded = ((value.view(torch.int32) + noise) & -65536).view(torch.float32)  # exact in bf16: low 16 bits zero
     out.copy_(torch.where(value.isnan(), value, rounded))
+
+
+def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+            start: int, keys: tuple[int, int, int], decay: float, beta1: float, beta2: float, step_size: float,
+            bias_correction2_sqrt: float, eps: float) -> None:
+    """One AdamW update of flat chunks (elements from `start` of their tensors), in float32."""
+    draw = [rounding_noise(key, start, weight.numel(), weight.device) for key in keys]
+    grad = grad.float()
+    m = torch.lerp(exp_avg.float(), grad, 1 - beta1)
+    v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
+    stochastic_round_(exp_avg, m, draw[0])
+    stochastic_round_(exp_avg_sq, v, draw[1])
+    w = weight.float() * decay - step_size * m / (v.sqrt() / bias_correction2_sqrt + eps)
+    stochastic_round_(weight, w, draw[2])
+
+
+@functools.cache
+def _compiled_update():
+    """On a GPU the update is one kernel (it reads and writes each tensor once and draws in
+    registers) instead of ~26 launches and float32 temporaries per chunk, which left the GPU idle
+    for seconds a step on the whole 30B (docs/BENCHMARKS.md). dynamic: one graph for every shard
+    size and every step's scalars. The host keeps the eager update (CPU runs need no compiler)."""
+    return torch.compile(_update, dynamic=True)
 
 
 class LeanAdamW(torch.optim.Optimizer):
     """AdamW (torch's, decoupled weight decay) with moments in `state_dtype` and parameters of any
     dtype, computed in float32 one parameter shard at a time (DTensor shards are updated locally,
-    elementwise) and written back with stochastic rounding where bfloat16. The rounding draws come
-    from a generator seeded by (seed, step, rank): a resumed run draws exactly what it would have.
+    elementwise) and written back with stochastic rounding where bfloat16. The rounding draws are a
+    hash of (seed, step, rank, parameter, element): a resumed run draws exactly what it would have.
     (Not under HSDP, whose replicas would round their copies of a shard apart: sft/config/checks.py.)"""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, state_dtype: torch.dtype,
                  seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.state_dtype, self.seed = state_dtype, seed
-        self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device, step: int) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device)
+    def _keys(self, step: int, index: int) -> tuple[int, int, int]:
+        """Three keys (the two moments', the weight's) of the index-th parameter's draws at `step`."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return self._generators[device].manual_seed((self.seed * 1_000_003 + step) * 65_537 + rank)
+        return tuple(_mix(self.seed, step, rank, index, target) for target in range(3))
 
     @torch.no_grad()
     def step(self, closure=None):
-        generators: dict[torch.device, torch.Generator] = {}
+        params = (p for group in self.param_groups for p in group["params"])
+        index = {id(p): i for i, p in enumerate(params)}
         for group in self.param_groups:
+            beta1, beta2 = group["betas"]
             for param in (p for p in group["params"] if p.grad is not None):
                 state = self.state[param]
                 if not state:
@@ -110,28 +162,15 @@ class LeanAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
                 state["step"] += 1
                 step = int(state["step"])
+                keys = self._keys(step, index[id(param)])
+                scalars = dict(decay=1 - group["lr"] * group["weight_decay"], beta1=beta1, beta2=beta2,
+                               step_size=group["lr"] / (1 - beta1 ** step),
+                               bias_correction2_sqrt=math.sqrt(1 - beta2 ** step), eps=group["eps"])
                 tensors = [local_part(t).view(-1) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
-                if tensors[0].device not in generators:
-                    generators[tensors[0].device] = self._generator(tensors[0].device, step)
-                # In chunks: the float32 temporaries of a whole shard of experts would be gigabytes.
+                update = _compiled_update() if tensors[0].is_cuda else _update
                 for start in range(0, tensors[0].numel(), _UPDATE_CHUNK_ELEMENTS):
                     chunk = slice(start, start + _UPDATE_CHUNK_ELEMENTS)
-                    self._update(*(t[chunk] for t in tensors), group, step, generators[tensors[0].device])
-
-    @staticmethod
-    def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                group: dict, step: int, generator: torch.Generator) -> None:
-        beta1, beta2 = group["betas"]
-        grad = grad.float()
-        # float32 views of float32 state are the state itself: updated in place, never sqrt_'d
-        m = exp_avg.float().lerp_(grad, 1 - beta1)
-        v = exp_avg_sq.float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        stochastic_round_(exp_avg, m, generator)
-        stochastic_round_(exp_avg_sq, v, generator)
-        w = weight.float().mul_(1 - group["lr"] * group["weight_decay"])
-        denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(group["eps"])
-        w.addcdiv_(m, denom, value=-group["lr"] / (1 - beta1 ** step))
-        stochastic_round_(weight, w, generator)
+                    update(*(t[chunk] for t in tensors), start, keys, **scalars)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
