@@ -55,6 +55,8 @@
 #   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init) and gpt-oss-20b on P-7B
 #             rows with plan.auto (expert parallelism and lean state allowed: its choice), next to the planner's
 #             prediction; TRACE=1 profiles the 30B run at steps 7-8
+#   config30b issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's step (grad-acc 8, flex attention) under the layout
+#             the planner names for 2 x 141 GiB, and under plan.auto's choice on this card
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
 #             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
@@ -398,6 +400,16 @@ whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b 
 whole-gptoss20b configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention plan.auto=true plan.allow_lean_state=true
 RUNS
       moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b ;;
+    config30b)  # issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's shape of step (grad-acc 8, flex attention) on
+      # P-7B rows, random init: the layout `python -m sft.plan --config configs/qwen3_30b_a3b.yaml --gpus 2
+      # --gpu-mem 141` names, then plan.auto's choice on this card (STEPS=5 WARMUP=2: a step is 16 rows a GPU)
+      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 16 * STEPS)) --length 4096
+      C30B="configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b model.attn_implementation=flex_attention train.grad_accum_steps=8"
+      ac_runs config30b <<RUNS
+config30b-named $C30B moe.ep_degree=2 optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 fsdp.reduce_dtype=bfloat16 ac.ratio=1 ac.mode=attention
+config30b-auto $C30B plan.auto=true plan.allow_lean_state=true
+RUNS
+      ;;
     s14b)  # the 4-GPU stand-in for the 8-GPU 32B run: real loading path, plan.auto
       p7b_data
       hf_checkpoint configs/models/qwen2.5-14b /tmp/qwen2.5-14b-random
