@@ -22,7 +22,10 @@ graph recomputes cheap pointwise results instead of saving them); the compiled c
 the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
 Mixture-of-experts blocks count as a dense block of the width a token runs through (top-k experts'
 intermediate sizes) plus the dispatch and router buffers (moe_bytes_per_token); their gathered
-weights are all experts' (FSDP gathers whole blocks). Not yet checked against measured MoE peaks.
+weights are all experts' (FSDP gathers whole blocks). Under expert parallelism the experts run
+eagerly, and keep what their activation saves (counted by running it: gpt-oss's clamped SwiGLU
+keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
+(docs/BENCHMARKS.md, issue #36) are within 10%.
 With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
@@ -63,7 +66,7 @@ from sft.config.checks import range_checks
 from sft.errors import run_command
 from sft.models.build import ModelError, build_meta_model, decoder_blocks
 from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
-from sft.models.moe import active_parameters, expert_shape
+from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, kept_bytes_per_token, recompute_fraction
 from sft.parallel.context_parallel import unsupported
 from sft.parallel.mesh import ParallelDims
@@ -103,6 +106,7 @@ class Shapes:
     top_k: int = 0
     active_params: int = 0
     block_experts: int = 0  # the expert weights of one block (of block_params)
+    eager_expert_widths: int = 0  # what eager experts keep per routed row (sft/models/moe.py:eager_expert_widths)
     context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
     attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
     # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
@@ -150,7 +154,8 @@ class Shapes:
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
-                   block_experts, unsupported(model, moe=experts > 0) is None, text.num_attention_heads * head_dim)
+                   block_experts, eager_expert_widths(model), unsupported(model, moe=experts > 0) is None,
+                   text.num_attention_heads * head_dim)
 
 
 def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
@@ -187,6 +192,8 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     if float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
     per_token_layer += moe_bytes_per_token(s, ep)
+    if ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
+        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     gathered_kv = 2 * 2 * s.kv_dim  # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share

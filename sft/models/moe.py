@@ -175,6 +175,31 @@ class GroupedExperts(nn.Module):
         return out
 
 
+def eager_expert_widths(model: nn.Module) -> int:
+    """Expert-intermediate-wide tensors per routed row that the experts keep for their backward when
+    they run eagerly, as under expert parallelism (outside the compiled block): their gate_up output,
+    what the activation saves (SiLU-gated: 1; gpt-oss's clamped SwiGLU: 4) and the down projection's
+    input. Counted by running the activation on a few rows; 0 for a dense model or an architecture
+    apply_moe does not train."""
+    sparse = _sparse_modules(model)
+    model_type = model.config.get_text_config().model_type
+    if not sparse or model_type not in LAYOUTS:
+        return 0
+    experts = GroupedExperts(sparse[0][1].experts, LAYOUTS[model_type])
+    rows, width = 4, 8
+    gate_up = torch.randn(rows, 2 * width, requires_grad=True) * 1  # a tensor of its own, as gate_up is
+    saved: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        experts._glu(gate_up)
+    saved.setdefault(gate_up.untyped_storage().data_ptr(), gate_up.untyped_storage().nbytes())  # a view of it may be saved
+    return sum(saved.values()) // (rows * width * 4) + 1  # + the down projection's input
+
+
 def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """ends[e] = the end row of expert e in rows sorted by expert (int32, on the device: no sync)."""
     experts = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
