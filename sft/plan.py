@@ -86,6 +86,18 @@ SHIPPED_SHAPES = Path(__file__).resolve().parents[1] / "configs" / "models"
 # of a 140 GiB H200 ran out of memory with 1.5 GiB outside PyTorch and 10.5 GiB reserved but
 # unallocated (docs/BENCHMARKS.md).
 USABLE_FRACTION = 0.9
+# Under expert parallelism the rows each rank's experts receive change every step, and so do the
+# sizes of what a block keeps of them; kept across blocks (blocks without checkpointing, or the
+# matmul outputs op-level checkpointing keeps) they leave holes the allocator cannot reuse. Measured
+# on 140 GiB H200s (docs/BENCHMARKS.md, issue #36): 13-19 GiB reserved but unallocated so (gpt-oss-20b
+# ran out of memory at 120 GiB allocated), 5 GiB with every block checkpointed whole or at attention.
+ROUTED_USABLE_FRACTION = 0.8
+
+
+def usable_fraction(s: Shapes, cfg: Config, ac_ratio: float, ac_mode: str) -> float:
+    """The fraction of a GPU's memory a prediction may take under this setting (see above)."""
+    keeps_routed = s.experts and cfg.moe.ep_degree > 1 and (ac_ratio < 1 or ac_mode in ("ops", "ops_half"))
+    return ROUTED_USABLE_FRACTION if keeps_routed else USABLE_FRACTION
 
 
 @dataclass(frozen=True)
@@ -256,9 +268,9 @@ class Machine:
     def gpus_on_a_node(self) -> int:
         return min(self.gpus, self.gpus_per_node)
 
-    def fits(self, gib: float) -> bool:
-        """Whether a predicted peak of `gib` per GPU fits (USABLE_FRACTION of the GPU's memory)."""
-        return gib <= USABLE_FRACTION * self.gpu_mem_gib
+    def fits(self, gib: float, fraction: float = USABLE_FRACTION) -> bool:
+        """Whether a predicted peak of `gib` per GPU fits (`fraction` of the GPU's memory)."""
+        return gib <= fraction * self.gpu_mem_gib
 
     @classmethod
     def of(cls, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
@@ -340,7 +352,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
-            if global_batch % (micro * data_parallel) == 0 and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode))]
+            if global_batch % (micro * data_parallel) == 0
+            and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode), usable_fraction(s, cfg, ratio, mode))]
     if not fits:
         return None
     *_, micro, _, ratio, mode = min(fits)
@@ -391,18 +404,22 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
              f"({ParallelDims.of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
+             + (f" ({ROUTED_USABLE_FRACTION:.0%} where routed activations are kept across blocks)"
+                if s.experts and cfg.moe.ep_degree > 1 else "")
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else "")
              + (f", moe.ep_degree={cfg.moe.ep_degree}" if cfg.moe.ep_degree > 1 else "")
              + f", {state_bytes(cfg.optim).total} bytes of state per trained parameter", "",
              "| micro-batch | " + " | ".join(ac_label(*setting) for setting in AC_SETTINGS) + " |",
              "|---" * (len(AC_SETTINGS) + 1) + "|"]
     for micro in MICRO_BATCHES:
-        cells = [predict_gib(s, cfg, m.gpus, micro, ratio, mode) for ratio, mode in AC_SETTINGS]
-        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if m.fits(g) else " ✗") for g in cells) + " |")
+        cells = [(predict_gib(s, cfg, m.gpus, micro, ratio, mode), usable_fraction(s, cfg, ratio, mode))
+                 for ratio, mode in AC_SETTINGS]
+        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if m.fits(g, f) else " ✗") for g, f in cells) + " |")
     current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    fits = m.fits(current, usable_fraction(s, cfg, cfg.ac.ratio, cfg.ac.mode))
     mode = f", ac.mode {cfg.ac.mode}" if cfg.ac.mode != "blocks" else ""
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
-                  f"{current:.1f} GiB per GPU predicted" + (" — fits" if m.fits(current) else " — does NOT fit")]
+                  f"{current:.1f} GiB per GPU predicted" + (" — fits" if fits else " — does NOT fit")]
     if cfg.checkpoint.enabled:
         each, at_once = state_bytes(cfg.optim).checkpoint * s.trained / GIB, cfg.checkpoint.most_on_disk
         lines.append(f"checkpoints: {each:.1f} GiB each (weights and Adam moments), up to {at_once} at once "
@@ -513,8 +530,9 @@ def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: f
     s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     m = Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
     predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    problems = [] if m.fits(predicted) else [f"{predicted:.0f} GiB per GPU, more than {USABLE_FRACTION:.0%} of "
-                                             f"{gpu_mem_gib:.0f} GiB GPUs"]
+    fraction = usable_fraction(s, cfg, cfg.ac.ratio, cfg.ac.mode)
+    problems = [] if m.fits(predicted, fraction) else [f"{predicted:.0f} GiB per GPU, more than {fraction:.0%} of "
+                                                       f"{gpu_mem_gib:.0f} GiB GPUs"]
     if host_problem(s, cfg, m):
         problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
     if not problems:
