@@ -90,7 +90,8 @@ USABLE_FRACTION = 0.9
 # sizes of what a block keeps of them; kept across blocks (blocks without checkpointing, or the
 # matmul outputs op-level checkpointing keeps) they leave holes the allocator cannot reuse. Measured
 # on 140 GiB H200s (docs/BENCHMARKS.md, issue #36): 13-19 GiB reserved but unallocated so (gpt-oss-20b
-# ran out of memory at 120 GiB allocated), 5 GiB with every block checkpointed whole or at attention.
+# ran out of memory at 120 GiB allocated, predicted 124-125), 5 GiB (Qwen3-30B-A3B) and 13 GiB
+# (gpt-oss-20b, which ran) with every block checkpointed whole or at attention.
 ROUTED_USABLE_FRACTION = 0.8
 
 
