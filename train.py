@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     buffers = real_buffers(model)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
-    optimizer = build_optimizer(model, cfg.optim, cfg.train.seed)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.

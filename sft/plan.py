@@ -3,8 +3,9 @@ mode) and micro-batch that fit.
 
     python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
 
-Peak = the larger of two moments; what is allocated and freed within a step (all but the sharded
-state, allocated once in large tensors) gets 5% allocator slack. End of forward: fp32 params and both Adam
+Peak = the larger of two moments; what is allocated and freed within a block or micro-batch
+(gathered blocks, activations, loss buffers, unsharded gradients) gets 5% allocator slack, the
+sharded state (weights, moments, gradients: the same large tensors every step) none. End of forward: fp32 params and both Adam
 moments (12 bytes per parameter over the shard group; gradients are None between steps, so +4
 from the second micro-batch of a step on), the gathered bf16 blocks (current + prefetched, or with
 ZeRO-2 every block until its backward; the root's embeddings and lm_head), activations (a
@@ -372,7 +373,8 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
         if m.gpus % (degree * cfg.fsdp.replicate_degree) or degree > m.gpus_on_a_node:
             continue
         at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
-        if any(m.fits(predict_gib(s, at, m.gpus, 1, ratio, mode)) for ratio, mode in AC_SETTINGS):
+        if any(m.fits(predict_gib(s, at, m.gpus, 1, ratio, mode), usable_fraction(s, at, ratio, mode))
+               for ratio, mode in AC_SETTINGS):
             return degree
     return None
 
@@ -405,8 +407,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
              f"({ParallelDims.of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
-             + (f" ({ROUTED_USABLE_FRACTION:.0%} where routed activations are kept across blocks)"
-                if s.experts and cfg.moe.ep_degree > 1 else "")
+             + (f" ({ROUTED_USABLE_FRACTION:.0%} under expert parallelism where routed rows are kept across blocks)"
+                if s.experts else "")
              + (", fsdp.cpu_offload: no sharded state on the GPUs" if cfg.fsdp.cpu_offload else "")
              + (f", moe.ep_degree={cfg.moe.ep_degree}" if cfg.moe.ep_degree > 1 else "")
              + f", {state_bytes(cfg.optim).total} bytes of state per trained parameter", "",

@@ -84,13 +84,13 @@ def test_stochastic_rounding_keeps_updates_below_bf16_resolution():
     nearest every update is lost; rounded stochastically the mean weight reaches 1.1 (unbiased)."""
     weights, nearest = torch.ones(10_000, dtype=torch.bfloat16), torch.ones(10_000, dtype=torch.bfloat16)
     for step in range(1000):
-        stochastic_round_(weights, weights.float() + 1e-4, rounding_noise(step, 0, len(weights), "cpu"))
+        stochastic_round_(weights, weights.float() + 1e-4, key=step)
         nearest.copy_(nearest.float() + 1e-4)
     assert torch.equal(nearest, torch.ones_like(nearest))
     assert weights.float().mean().item() == pytest.approx(1.1, abs=2e-3)
     negative = torch.full((10_000,), -1.0, dtype=torch.bfloat16)
     for step in range(1000):
-        stochastic_round_(negative, negative.float() - 1e-4, rounding_noise(7919 * step, 0, len(weights), "cpu"))
+        stochastic_round_(negative, negative.float() - 1e-4, key=7919 * step)
     assert negative.float().mean().item() == pytest.approx(-1.1, abs=2e-3)
 
 
@@ -101,45 +101,61 @@ def test_stochastic_rounding_keeps_special_values_and_float32_targets():
     special = torch.cat([cuda_nan, torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])])
     out = torch.empty(len(special), dtype=torch.bfloat16)
     for seed in range(20):
-        stochastic_round_(out, special, rounding_noise(seed, 0, len(special), "cpu"))
+        stochastic_round_(out, special, key=seed)
         assert out[:2].isnan().all() and out[2] == float("inf") and out[3] == -float("inf")
         assert out[4] == 0 and not out[4].signbit() and out[5] == 0 and out[5].signbit()
     exact = torch.empty(3)
-    stochastic_round_(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]), rounding_noise(0, 0, 3, "cpu"))
+    stochastic_round_(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]), key=0)
     assert torch.equal(exact, torch.tensor([1.0 + 1e-7, -3.3, 1e-30]))
 
 
+def test_rounding_draws_are_uniform_and_differ_by_key_and_element():
+    """16 uniform bits per element (mean and every bit balanced over 2^18 draws); another key, or
+    the same elements at another offset, draws afresh (as many equal draws as chance gives)."""
+    draws = rounding_noise(2**31 + 12345, 0, 1 << 18, "cpu").long()
+    assert draws.min() >= 0 and draws.max() < 1 << 16
+    assert draws.float().mean().item() == pytest.approx(2**15, rel=0.01)
+    assert all(((draws >> bit) & 1).float().mean().item() == pytest.approx(0.5, abs=0.01) for bit in range(16))
+    for other in (rounding_noise(2**31 + 12346, 0, 1 << 18, "cpu"), rounding_noise(2**31 + 12345, 1, 1 << 18, "cpu")):
+        assert (other.long() == draws).float().mean().item() < 10 / 2**16
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled update runs on a GPU")
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype):
-    """The GPU's one-kernel update (compiled) against the host's eager one on the same shard and
-    draws. One step: bf16 results equal but where the float32 result differs in its last bits (fused
-    multiply-adds, division) and that flips a rounding, by one bf16 step; float32 weights to float32
-    rounding of the update. Later steps, with new scalars, run the same graph (no recompilation)."""
+@pytest.mark.parametrize("weight_dtype, state_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                       (torch.bfloat16, torch.float32)])
+def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype, state_dtype):
+    """The GPU's one-kernel update (compiled) against the host's eager one on the same chunk (a
+    slice at an offset, as a chunk of a shard is) and draws (32-bit keys). One step: bf16 results
+    equal but where the float32 result differs in its last bits (fused multiply-adds, division) and
+    that flips a rounding, by one bf16 step; float32 ones to float32 rounding of the update. Later
+    steps, with new scalars and keys, reuse the graph (no recompilation)."""
     from torch._dynamo.utils import counters
     from sft.training.optim import _compiled_update, _update
-    graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
-    n = (1 << 20) + 3  # not a multiple of any block size
-    host = [torch.randn(n).to(weight_dtype), torch.randn(n).to(weight_dtype) * 1e-2,
-            (torch.randn(n) * 1e-3).to(torch.bfloat16), (torch.rand(n) * 1e-5 + 1e-6).to(torch.bfloat16)]
+    n, offset = (1 << 20) + 3, 7  # not a multiple of any block size
+    host = [torch.randn(n + offset).to(weight_dtype), torch.randn(n + offset).to(weight_dtype) * 1e-2,
+            (torch.randn(n + offset) * 1e-3).to(state_dtype), (torch.rand(n + offset) * 1e-5 + 1e-6).to(state_dtype)]
     gpu = [t.cuda() for t in host]
     weight = host[0].clone()
-    scalars = dict(start=5, keys=(11, 22, 33), decay=1 - 1e-4, beta1=0.9, beta2=0.95, step_size=1e-3,
-                   bias_correction2_sqrt=0.3, eps=1e-8)
-    _update(*host, **scalars)
-    _compiled_update()(*gpu, **scalars)
+    scalars = dict(start=offset, keys=(3_000_000_011, 2**31 + 5, 123_456_789), decay=1 - 1e-4, beta1=0.9, beta2=0.95,
+                   step_size=1e-3, bias_correction2_sqrt=0.3, eps=1e-8)
+    _update(*(t[offset:] for t in host), **scalars)
+    _compiled_update()(*(t[offset:] for t in gpu), **scalars)
     for a, b in ((host[i], gpu[i].cpu()) for i in (0, 2, 3)):  # weight, exp_avg, exp_avg_sq
+        assert torch.equal(a[:offset], b[:offset])  # outside the chunk: untouched on both
         if a.dtype == torch.bfloat16:
             assert (a != b).float().mean() < 1e-3
-            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=0)
-        else:  # the update (up to ~0.03 here) to float32 rounding, and the weight's last bit
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-9)  # atol: m's cancellations
+        elif a is host[0]:  # the update (up to ~0.03 here) to float32 rounding, and the weight's last bit
             torch.testing.assert_close(a - weight, b - weight, rtol=1e-5, atol=1e-6)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    graphs = counters["stats"]["unique_graphs"]
     for step in range(2):
         scalars.update(keys=tuple(k + 1 for k in scalars["keys"]), step_size=scalars["step_size"] * 0.9,
                        bias_correction2_sqrt=scalars["bias_correction2_sqrt"] + 0.1)
-        _compiled_update()(*gpu, **scalars)
-    assert counters["stats"]["unique_graphs"] - graphs == 1
+        _compiled_update()(*(t[offset:] for t in gpu), **scalars)
+    assert counters["stats"]["unique_graphs"] == graphs
     assert all(t.isfinite().all() for t in gpu)
 
 

@@ -61,9 +61,10 @@ def apply_master_dtype(model: nn.Module, cfg: OptimConfig) -> None:
                 param.data = param.data.to(torch.bfloat16)
 
 
-# Elements LeanAdamW updates at a time: on the host (CPU runs) the update's float32 temporaries are
-# 256 MiB each, not a whole shard of experts' gigabytes; on a GPU each chunk is one fused kernel.
-_UPDATE_CHUNK_ELEMENTS = 1 << 26
+# Elements LeanAdamW updates at a time. Eager, each float32 temporary is then 64 MiB (the rounding
+# draws' int64 ones 128 MiB), not the size of a whole shard of experts (gigabytes); compiled, each
+# chunk is one kernel, large enough that launching it costs nothing next to running it.
+_UPDATE_CHUNK_ELEMENTS = 1 << 24
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -96,14 +97,16 @@ def rounding_noise(key: int, start: int, numel: int, device: torch.device | str)
     return (_hash32((_hash32(index & 0xFFFFFFFF) + key) & 0xFFFFFFFF) & 0xFFFF).to(torch.int32)
 
 
-def stochastic_round_(out: torch.Tensor, value: torch.Tensor, noise: torch.Tensor) -> None:
-    """out (any dtype) = value (float32); into bfloat16 rounded stochastically: the 16 bits that
-    bfloat16 drops get `noise` (uniform in [0, 2^16)) added, then are truncated, so the result is
-    the neighbour above with the probability of the dropped fraction (unbiased). NaN stays NaN
-    (its bits plus the draw could carry into the sign or lose the payload: -0 or inf)."""
+def stochastic_round_(out: torch.Tensor, value: torch.Tensor, key: int, start: int = 0) -> None:
+    """out (any dtype) = value (float32, flat: elements from `start` of a tensor); into bfloat16
+    rounded stochastically: the 16 bits that bfloat16 drops get a draw (rounding_noise(key, start,
+    ...)) added, then are truncated, so the result is the neighbour above with the probability of
+    the dropped fraction (unbiased). NaN stays NaN (its bits plus the draw could carry into the sign
+    or lose the payload: -0 or inf)."""
     if out.dtype != torch.bfloat16:
         out.copy_(value)
         return
+    noise = rounding_noise(key, start, value.numel(), value.device).view(value.shape)
     rounded = ((value.view(torch.int32) + noise) & -65536).view(torch.float32)  # exact in bf16: low 16 bits zero
     out.copy_(torch.where(value.isnan(), value, rounded))
 
@@ -112,19 +115,18 @@ def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
             start: int, keys: tuple[int, int, int], decay: float, beta1: float, beta2: float, step_size: float,
             bias_correction2_sqrt: float, eps: float) -> None:
     """One AdamW update of flat chunks (elements from `start` of their tensors), in float32."""
-    draw = [rounding_noise(key, start, weight.numel(), weight.device) for key in keys]
     grad = grad.float()
     m = torch.lerp(exp_avg.float(), grad, 1 - beta1)
     v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
-    stochastic_round_(exp_avg, m, draw[0])
-    stochastic_round_(exp_avg_sq, v, draw[1])
+    stochastic_round_(exp_avg, m, keys[0], start)
+    stochastic_round_(exp_avg_sq, v, keys[1], start)
     w = weight.float() * decay - step_size * m / (v.sqrt() / bias_correction2_sqrt + eps)
-    stochastic_round_(weight, w, draw[2])
+    stochastic_round_(weight, w, keys[2], start)
 
 
 @functools.cache
 def _compiled_update():
-    """On a GPU the update is one kernel (it reads and writes each tensor once and draws in
+    """On a GPU (with compile.enabled) the update is one kernel (it reads and writes each tensor once and draws in
     registers) instead of ~26 launches and float32 temporaries per chunk, which left the GPU idle
     for seconds a step on the whole 30B (docs/BENCHMARKS.md). dynamic: one graph for every shard
     size and every step's scalars. The host keeps the eager update (CPU runs need no compiler)."""
@@ -139,9 +141,9 @@ class LeanAdamW(torch.optim.Optimizer):
     (Not under HSDP, whose replicas would round their copies of a shard apart: sft/config/checks.py.)"""
 
     def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, state_dtype: torch.dtype,
-                 seed: int = 0):
+                 seed: int = 0, compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
-        self.state_dtype, self.seed = state_dtype, seed
+        self.state_dtype, self.seed, self.compiled = state_dtype, seed, compiled
 
     def _keys(self, step: int, index: int) -> tuple[int, int, int]:
         """Three keys (the two moments', the weight's) of the index-th parameter's draws at `step`."""
@@ -167,20 +169,23 @@ class LeanAdamW(torch.optim.Optimizer):
                                step_size=group["lr"] / (1 - beta1 ** step),
                                bias_correction2_sqrt=math.sqrt(1 - beta2 ** step), eps=group["eps"])
                 tensors = [local_part(t).view(-1) for t in (param, param.grad, state["exp_avg"], state["exp_avg_sq"])]
-                update = _compiled_update() if tensors[0].is_cuda else _update
+                update = _compiled_update() if self.compiled and tensors[0].is_cuda else _update
                 for start in range(0, tensors[0].numel(), _UPDATE_CHUNK_ELEMENTS):
                     chunk = slice(start, start + _UPDATE_CHUNK_ELEMENTS)
                     update(*(t[chunk] for t in tensors), start, keys, **scalars)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0, compiled: bool = False) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters; LeanAdamW where the state is bf16, its update compiled on
+    GPUs with `compiled` (compile.enabled)."""
     decay, no_decay = [], []
     for param in (p for p in model.parameters() if p.requires_grad):  # frozen ones (LoRA's base) get no state
         # 1-D parameters are norm weights and biases: decaying them towards 0 only hurts.
         (decay if param.dim() >= 2 or cfg.decay_norms_and_biases else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.state_dtype != "float32" or cfg.master_dtype != "float32":
-        return LeanAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, state_dtype=DTYPES[cfg.state_dtype], seed=seed)
+        return LeanAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, state_dtype=DTYPES[cfg.state_dtype], seed=seed,
+                         compiled=compiled)
     # Fused on GPU shards and on host shards (fsdp.cpu_offload, CPU runs) alike: on the host it is
     # 3-5x faster than foreach and, unlike foreach, allocates no temporaries the size of all
     # parameters (docs/BENCHMARKS.md "Optimizer on the host").
