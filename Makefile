@@ -49,7 +49,7 @@ demo-lora: install demo-data runs/demo_lora_base/config.json
 	$(PYTHON) -m sft.chat runs/demo_lora/export --prompt "Spell the word 'rocket'."
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file's tests on one of them, in order.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
