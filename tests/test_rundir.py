@@ -209,6 +209,11 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
                            weights.reference.named_parameters()), damaged[damage])
         shard = damaged[damage] / "model-00001-of-00001.safetensors"
         shard.write_bytes({"truncated": shard.read_bytes()[:-100], "garbage": os.urandom(300), "empty": b""}[damage])
+    # A real tokenizer's 151k ids (here: the demo's with 1,000 tokens added) into the demo model's 899 rows.
+    from transformers import AutoTokenizer
+    larger = AutoTokenizer.from_pretrained(REPO / "configs" / "demo" / "model")
+    larger.add_tokens([f"extra{i}" for i in range(1000)])
+    larger.save_pretrained(tmp_path / "larger_tokenizer")
     data = lambda name: f"data.path={tmp_path / name}"  # noqa: E731
     return {
         "missing model directory": (["model.name_or_path=/no/such/model"],
@@ -217,6 +222,8 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
         "missing model directory, plan.auto": (["model.name_or_path=/no/such/model", "plan.auto=true",
                                                 "plan.gpu_mem_gib=80"],
                                                "model.name_or_path='/no/such/model': no such directory"),
+        "a tokenizer larger than the model's vocabulary": ([f"model.tokenizer={tmp_path / 'larger_tokenizer'}"],
+                                                           "has 1899 tokens, but model.name_or_path="),
         "malformed JSONL": ([data("malformed.jsonl")], "line 21 is not valid JSON"),
         "empty file": ([data("empty.jsonl")], "empty.jsonl': the dataset is empty"),
         "weights of another architecture": ([f"model.name_or_path={other}", "model.init=pretrained"],

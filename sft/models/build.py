@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
@@ -56,23 +57,34 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if not tokenizer.chat_template:
         raise ModelError(f"{key}={source!r} has no chat template; use an instruct model's "
                          "tokenizer or add chat_template to its tokenizer_config.json")
+    if cfg.tokenizer:  # not the model's own: its ids must be rows of the model's embeddings
+        vocab = _model_config(cfg).get_text_config().vocab_size
+        if len(tokenizer) > vocab:
+            raise ModelError(f"model.tokenizer={cfg.tokenizer!r} has {len(tokenizer)} tokens, but "
+                             f"model.name_or_path={cfg.name_or_path!r} embeds {vocab}: use the model's own "
+                             "tokenizer (remove model.tokenizer) or one of its vocabulary")
     if tokenizer.pad_token_id is None:
         # Pads are never attended to by real tokens nor trained, so any id will do.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
-    """The model with parameters on the meta device (float32) and real float32 buffers."""
+def _model_config(cfg: ModelConfig) -> PretrainedConfig:
+    """model.name_or_path's config.json, or one line naming what to fix."""
     missing = _missing_local_dir("model.name_or_path", cfg.name_or_path)
     if missing:
         raise missing
     try:
-        config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: could not load config.json ({reason}); give a "
                          "local model directory, or a hub name this machine can reach") from None
+
+
+def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
+    """The model with parameters on the meta device (float32) and real float32 buffers."""
+    config = _model_config(cfg)
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
         with parameters_on_meta():
