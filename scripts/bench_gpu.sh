@@ -99,8 +99,8 @@ train() {  # train NAME CONFIG OVERRIDES...  (later overrides win, so OVERRIDES 
   else grep -E "start-up|^\[.*step (1|$STEPS)/" "$LOGS/$name.log" | tail -3; fi
 }
 
-p7b_data() {  # the P-7B token file, enough samples for every stage's runs
-  python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 8 * STEPS)) --length 4096
+p7b_data() {  # p7b_data [ROWS_PER_STEP_PER_GPU]: the P-7B token file, enough samples for every stage's runs (default 8)
+  python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * ${1:-8} * STEPS)) --length 4096
 }
 
 ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with the planner's view of it, one table
@@ -403,7 +403,7 @@ RUNS
     config30b)  # issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's shape of step (grad-acc 8, flex attention) on
       # P-7B rows, random init: the layout `python -m sft.plan --config configs/qwen3_30b_a3b.yaml --gpus 2
       # --gpu-mem 141` names, then plan.auto's choice on this card (STEPS=5 WARMUP=2: a step is 16 rows a GPU)
-      python3 scripts/synthetic_tokens.py --out data/bench/p7b.parquet --samples $((NGPU * 16 * STEPS)) --length 4096
+      p7b_data 16
       C30B="configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b model.attn_implementation=flex_attention train.grad_accum_steps=8"
       ac_runs config30b <<RUNS
 config30b-named $C30B moe.ep_degree=2 optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 fsdp.reduce_dtype=bfloat16 ac.ratio=1 ac.mode=attention

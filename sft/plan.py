@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sft.config import Config, ConfigError, LoRAConfig, ModelConfig, load_config
+from sft.config import DTYPES, Config, ConfigError, LoRAConfig, ModelConfig, load_config
 from sft.config.checks import range_checks
 from sft.errors import run_command
 from sft.models.build import ModelError, build_meta_model, decoder_blocks
@@ -100,6 +100,13 @@ def usable_fraction(s: Shapes, cfg: Config, ac_ratio: float, ac_mode: str) -> fl
     """The fraction of a GPU's memory a prediction may take under this setting (see above)."""
     keeps_routed = s.experts and cfg.moe.ep_degree > 1 and (ac_ratio < 1 or ac_mode in ("ops", "ops_half"))
     return ROUTED_USABLE_FRACTION if keeps_routed else USABLE_FRACTION
+
+
+def predict_fit(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ratio: float,
+                ac_mode: str) -> tuple[float, bool]:
+    """A setting's predicted peak GiB per GPU, and whether it fits the GPUs (usable_fraction)."""
+    gib = predict_gib(s, cfg, m.gpus, micro_batch, ac_ratio, ac_mode)
+    return gib, m.fits(gib, usable_fraction(s, cfg, ac_ratio, ac_mode))
 
 
 @dataclass(frozen=True)
@@ -336,7 +343,7 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     return peak_bytes(s, ParallelDims.of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
                       cfg.precision.float8 != "none", ac_mode, cfg.cp.degree, cfg.moe.ep_degree,
-                      state_bytes(cfg.optim), 2 if cfg.fsdp.reduce_dtype == "bfloat16" else 4) / GIB
+                      state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize) / GIB
 
 
 def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
@@ -354,8 +361,7 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
-            if global_batch % (micro * data_parallel) == 0
-            and m.fits(predict_gib(s, cfg, m.gpus, micro, ratio, mode), usable_fraction(s, cfg, ratio, mode))]
+            if global_batch % (micro * data_parallel) == 0 and predict_fit(s, cfg, m, micro, ratio, mode)[1]]
     if not fits:
         return None
     *_, micro, _, ratio, mode = min(fits)
@@ -373,8 +379,7 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
         if m.gpus % (degree * cfg.fsdp.replicate_degree) or degree > m.gpus_on_a_node:
             continue
         at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
-        if any(m.fits(predict_gib(s, at, m.gpus, 1, ratio, mode), usable_fraction(s, at, ratio, mode))
-               for ratio, mode in AC_SETTINGS):
+        if any(predict_fit(s, at, m, 1, ratio, mode)[1] for ratio, mode in AC_SETTINGS):
             return degree
     return None
 
@@ -415,11 +420,9 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
              "| micro-batch | " + " | ".join(ac_label(*setting) for setting in AC_SETTINGS) + " |",
              "|---" * (len(AC_SETTINGS) + 1) + "|"]
     for micro in MICRO_BATCHES:
-        cells = [(predict_gib(s, cfg, m.gpus, micro, ratio, mode), usable_fraction(s, cfg, ratio, mode))
-                 for ratio, mode in AC_SETTINGS]
-        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if m.fits(g, f) else " ✗") for g, f in cells) + " |")
-    current = predict_gib(s, cfg, m.gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
-    fits = m.fits(current, usable_fraction(s, cfg, cfg.ac.ratio, cfg.ac.mode))
+        cells = [predict_fit(s, cfg, m, micro, ratio, mode) for ratio, mode in AC_SETTINGS]
+        lines.append(f"| {micro} | " + " | ".join(f"{g:.1f}" + ("" if ok else " ✗") for g, ok in cells) + " |")
+    current, fits = predict_fit(s, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     mode = f", ac.mode {cfg.ac.mode}" if cfg.ac.mode != "blocks" else ""
     lines += ["", f"this config (micro-batch {cfg.train.micro_batch_size}, ac.ratio {cfg.ac.ratio:g}{mode}): "
                   f"{current:.1f} GiB per GPU predicted" + (" — fits" if fits else " — does NOT fit")]
@@ -443,6 +446,8 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         if roomier := roomier_layout(s, cfg, m):
             roomier_cfg, roomier_choice, overrides = roomier
             state = f"{state_bytes(roomier_cfg.optim).total} bytes of state per parameter"
+            lean = any(key.startswith("optim.") for key in overrides)
+            overrides = _as_text(overrides)
             if roomier_choice is None:
                 least = min(predict_gib(s, roomier_cfg, m.gpus, micro, ratio, mode)
                             for micro in MICRO_BATCHES for ratio, mode in AC_SETTINGS)
@@ -450,7 +455,6 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
             else:
                 ratio, mode, micro, _ = roomier_choice
                 predicted = predict_gib(s, roomier_cfg, m.gpus, micro, ratio, mode)
-                lean = "optim." in overrides
                 lines.append(f"it fits with: {overrides} {as_overrides(*roomier_choice)} ({predicted:.1f} GiB per GPU "
                              f"predicted, {state}; plan.auto chooses it"
                              + (" with plan.allow_lean_state=true)" if lean else ")"))
@@ -461,7 +465,18 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     return "\n".join(lines), choice is not None
 
 
-def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, str] | None:
+def _set(cfg: Config, overrides: dict) -> None:
+    """Set "section.name" keys of `cfg` in place."""
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
+def _as_text(overrides: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in overrides.items())
+
+
+def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, dict] | None:
     """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
     experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
@@ -477,9 +492,7 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
     roomier, overrides = cfg, {}
     for step in steps:
         candidate = copy.deepcopy(roomier)
-        for key, value in step.items():
-            section, name = key.split(".")
-            setattr(getattr(candidate, section), name, value)
+        _set(candidate, step)
         if candidate == roomier or range_checks(candidate, local_checks=False):
             continue  # already so, or refused
         roomier, overrides = candidate, {**overrides, **step}
@@ -487,7 +500,7 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
             break
     if roomier is cfg:
         return None
-    return roomier, choice, " ".join(f"{key}={value}" for key, value in overrides.items())
+    return roomier, choice, overrides
 
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
@@ -506,10 +519,9 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         choice = suggest(shapes, cfg, m)
     roomier = roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state) if choice is None else None
     if roomier is not None and roomier[1] is not None:
-        roomier_cfg, choice, overrides = roomier
-        for section in ("moe", "optim", "fsdp"):
-            setattr(cfg, section, getattr(roomier_cfg, section))
-        note = overrides + " "
+        _, choice, overrides = roomier
+        _set(cfg, overrides)
+        note = _as_text(overrides) + " "
     if choice is None:
         raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or _nothing_fits(cfg, m)}")
     configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
@@ -532,10 +544,9 @@ def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: f
     the node's host memory), else None."""
     s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     m = Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
-    predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    predicted, fits = predict_fit(s, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     fraction = usable_fraction(s, cfg, cfg.ac.ratio, cfg.ac.mode)
-    problems = [] if m.fits(predicted, fraction) else [f"{predicted:.0f} GiB per GPU, more than {fraction:.0%} of "
-                                                       f"{gpu_mem_gib:.0f} GiB GPUs"]
+    problems = [] if fits else [f"{predicted:.0f} GiB per GPU, more than {fraction:.0%} of {gpu_mem_gib:.0f} GiB GPUs"]
     if host_problem(s, cfg, m):
         problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
     if not problems:

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from helpers import synthetic_global_batch
 from sft.data.collate import collate, collate_packed
 from sft.config import DTYPES, ACConfig, FSDPConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig
-from sft.distributed import all_reduce_sum, init_distributed
+from sft.distributed import all_reduce_sum, init_distributed, local_part
 from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
@@ -159,11 +159,6 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def local(param: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `param` (all of it where FSDP does not shard it: QLoRA's NF4 weights)."""
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 def run(args: argparse.Namespace, env) -> dict:
     if args.empty_experts_probe:
         return empty_experts_probe(env)
@@ -231,7 +226,7 @@ def run(args: argparse.Namespace, env) -> dict:
             result["aux_loss"] = moe.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values() if p.requires_grad})
-        result["frozen_shard_dtypes"] = sorted({str(local(p).dtype) for p in named.values() if not p.requires_grad})
+        result["frozen_shard_dtypes"] = sorted({str(local_part(p).dtype) for p in named.values() if not p.requires_grad})
         result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]
         result["frozen_with_grads"] = [n for n, p in named.items() if not p.requires_grad and p.grad is not None]
         result["expert_placements"] = sorted({str(p.placements) for n, p in named.items() if ".experts." in n and p.dim() == 3})
@@ -312,8 +307,8 @@ def save_or_load_state(model, optimizer, save: str | None, load: str | None) -> 
         with torch.no_grad():  # nothing of this run's own state may survive the load
             for tensor in [*state["model"].values(), *(v for values in state["optimizer"]["state"].values()
                                                       for v in values.values() if isinstance(v, torch.Tensor))]:
-                local(tensor).zero_()
-        assert not any(local(p).any() for p in model.parameters()), "the state dict is not the model's own tensors"
+                local_part(tensor).zero_()
+        assert not any(local_part(p).any() for p in model.parameters()), "the state dict is not the model's own tensors"
         dcp.load(state, checkpoint_id=load)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -53,6 +53,13 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     (["lora.rank=8", "lora.base=nf4", "fsdp.cpu_offload=true"], "lora.base='nf4': not with fsdp.cpu_offload=true"),
     (["lora.rank=8", "lora.base=nf4", "model.prepared_cache=/tmp/cache"], "lora.base='nf4': not with model.prepared_cache"),
     (["lora.rank=8", "lora.base=nf8"], "lora.base"),
+    (["optim.master_dtype=bfloat16"], "bfloat16 master weights need fsdp.param_dtype=bfloat16 and "
+                                      "fsdp.reduce_dtype=bfloat16"),
+    (["optim.master_dtype=bfloat16", "fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16",
+      "fsdp.replicate_degree=2"], "fsdp.replicate_degree > 1 (each replica would round its copy apart)"),
+    (["optim.state_dtype=bfloat16", "fsdp.cpu_offload=true"], "bfloat16 moments do not combine with fsdp.cpu_offload"),
+    (["moe.ep_degree=2", "fsdp.replicate_degree=2"], "expert parallelism does not combine with cp.degree > 1, "
+                                                     "fsdp.replicate_degree > 1 or LoRA yet"),
     ("model.attn_implementation=sdap", "model.attn_implementation='sdap': not an attention implementation "
                                        "transformers knows (one of eager, flash_attention_2,"),
     ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2': needs the "

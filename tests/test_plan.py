@@ -475,14 +475,13 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_ep_and_lean_state(tmp
                            "fsdp.reduce_dtype=bfloat16 ac.ratio=1")
     assert (cfg.moe.ep_degree, cfg.optim.state_dtype, cfg.optim.master_dtype, cfg.fsdp.reduce_dtype) == \
         (2, "bfloat16", "bfloat16", "bfloat16")
-    predicted = predict_gib(Shapes.of(build_meta_model(cfg.model)), cfg, 2, cfg.train.micro_batch_size, cfg.ac.ratio,
-                            cfg.ac.mode)
+    s = Shapes.of(build_meta_model(cfg.model))
+    predicted = predict_gib(s, cfg, 2, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     assert predicted == pytest.approx(117.7, rel=0.10)
     # Routed rows kept across blocks (op-level modes, unchecked blocks) fragment the allocator under
     # ep: such settings get 80% of the GPU (ac 1 ops, predicted 125 GiB, ran with 13 GiB reserved
     # but unallocated on 140.4); every block checkpointed at attention or whole keeps 90%.
     from sft.plan import usable_fraction
-    s = Shapes.of(build_meta_model(cfg.model))
     assert cfg.ac.mode in ("attention", "blocks")
     assert [usable_fraction(s, cfg, ratio, mode) for ratio, mode in ((1, "ops"), (1, "ops_half"), (0.5, "blocks"),
                                                                    (1, "attention"), (1, "blocks"))] == [0.8] * 3 + [0.9] * 2

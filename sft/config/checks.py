@@ -60,19 +60,17 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
     check(cfg.cp.degree >= 1, "cp.degree", cfg.cp.degree, "must be >= 1 (1 = no context parallelism)")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
-    lean_master = cfg.optim.master_dtype == "bfloat16"
-    check(not lean_master or (cfg.fsdp.param_dtype == cfg.fsdp.reduce_dtype == "bfloat16" and not cfg.lora.enabled
-                              and not cfg.fsdp.cpu_offload),
+    check(cfg.optim.master_dtype == "float32"
+          or (cfg.fsdp.param_dtype == cfg.fsdp.reduce_dtype == "bfloat16" and not cfg.lora.enabled
+              and not cfg.fsdp.cpu_offload and cfg.fsdp.replicate_degree == 1),
           "optim.master_dtype", cfg.optim.master_dtype, "bfloat16 master weights need fsdp.param_dtype=bfloat16 and "
-          "fsdp.reduce_dtype=bfloat16, and not LoRA (lora.rank > 0: its adapters' state is small) or fsdp.cpu_offload; "
-          "set those, or optim.master_dtype=float32")
+          "fsdp.reduce_dtype=bfloat16, and not LoRA (lora.rank > 0: its adapters' state is small), fsdp.cpu_offload "
+          "or fsdp.replicate_degree > 1 (each replica would round its copy apart); set those, or "
+          "optim.master_dtype=float32")
     check(cfg.optim.state_dtype == "float32" or not (cfg.fsdp.cpu_offload or cfg.fsdp.replicate_degree > 1),
           "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its state "
           "is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
           "optim.state_dtype=float32")
-    check(not lean_master or cfg.fsdp.replicate_degree == 1, "optim.master_dtype", cfg.optim.master_dtype,
-          "bfloat16 master weights do not combine with fsdp.replicate_degree > 1 (each replica would round its copy "
-          "apart); set optim.master_dtype=float32")
     check(cfg.moe.ep_degree == 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and not cfg.lora.enabled),
           "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
           "fsdp.replicate_degree > 1 or LoRA yet; set moe.ep_degree=1")

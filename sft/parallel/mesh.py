@@ -74,9 +74,6 @@ class ParallelDims:
         if self.world_size % (self.replicate * self.cp):
             raise ConfigError(f"fsdp.replicate_degree={self.replicate} x cp.degree={self.cp}: must divide the "
                               f"{self.world_size} ranks (each replica holds whole cp groups)")
-        if self.ep > 1 and self.replicated:  # the ep axis is built over the world: one replica
-            raise ConfigError(f"moe.ep_degree={self.ep} with fsdp.replicate_degree={self.replicate}: expert "
-                              "parallelism does not combine with HSDP yet; set one of them to 1")
         if self.ep < 1 or self.shard_ranks % self.ep:
             raise ConfigError(f"moe.ep_degree={self.ep}: must divide the {self.shard_ranks} ranks of a replica "
                               "(1 turns it off)")

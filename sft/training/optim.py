@@ -48,8 +48,8 @@ STATE_BYTES = StateBytes()
 def state_bytes(cfg: OptimConfig) -> StateBytes:
     """The state a trained parameter costs under `cfg` (the gradient has the master's dtype: FSDP
     casts the reduced gradient to it)."""
-    master = 2 if cfg.master_dtype == "bfloat16" else 4
-    return StateBytes(master=master, grad=master, optimizer=2 * (2 if cfg.state_dtype == "bfloat16" else 4))
+    master = DTYPES[cfg.master_dtype].itemsize
+    return StateBytes(master=master, grad=master, optimizer=2 * DTYPES[cfg.state_dtype].itemsize)
 
 
 def apply_master_dtype(model: nn.Module, cfg: OptimConfig) -> None:
@@ -144,16 +144,16 @@ class LeanAdamW(torch.optim.Optimizer):
                  seed: int = 0, compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.state_dtype, self.seed, self.compiled = state_dtype, seed, compiled
+        self._rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        # Each parameter's place in the groups (fixed once built): with the rank, what its draws are keyed on.
+        self._index = {id(p): i for i, p in enumerate(p for group in self.param_groups for p in group["params"])}
 
-    def _keys(self, step: int, index: int) -> tuple[int, int, int]:
-        """Three keys (the two moments', the weight's) of the index-th parameter's draws at `step`."""
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        return tuple(_mix(self.seed, step, rank, index, target) for target in range(3))
+    def _keys(self, step: int, param: torch.Tensor) -> tuple[int, int, int]:
+        """Three keys (the two moments', the weight's) of `param`'s draws at `step`."""
+        return tuple(_mix(self.seed, step, self._rank, self._index[id(param)], target) for target in range(3))
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = (p for group in self.param_groups for p in group["params"])
-        index = {id(p): i for i, p in enumerate(params)}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in (p for p in group["params"] if p.grad is not None):
@@ -164,7 +164,7 @@ class LeanAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
                 state["step"] += 1
                 step = int(state["step"])
-                keys = self._keys(step, index[id(param)])
+                keys = self._keys(step, param)
                 scalars = dict(decay=1 - group["lr"] * group["weight_decay"], beta1=beta1, beta2=beta2,
                                step_size=group["lr"] / (1 - beta1 ** step),
                                bias_correction2_sqrt=math.sqrt(1 - beta2 ** step), eps=group["eps"])
