@@ -33,7 +33,8 @@ from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
 from sft.errors import run_command
 from sft.export import export_hf
-from sft.models.build import build_meta_model, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.models.build import (build_meta_model, check_vocabulary, decoder_blocks, load_tokenizer, materialize,
+                              real_buffers)
 from sft.models.float8 import precompute_float8_scales
 from sft.models.lora import apply_lora
 from sft.models.moe import apply_moe
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     run.open()
     # Rank 0 reads the inputs first: a bad one is one error, reported once (rank0_first).
     tokenizer = rank0_first(lambda: load_tokenizer(cfg.model))
+    rank0_first(lambda: check_vocabulary(cfg.model, tokenizer))
     ckpt = Checkpointer(cfg, tokenizer, env)
     resume_from = ckpt.resume_point(auto=run.resume_auto())
 

@@ -57,16 +57,22 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if not tokenizer.chat_template:
         raise ModelError(f"{key}={source!r} has no chat template; use an instruct model's "
                          "tokenizer or add chat_template to its tokenizer_config.json")
-    if cfg.tokenizer:  # not the model's own: its ids must be rows of the model's embeddings
+    if tokenizer.pad_token_id is None:
+        # Pads are never attended to by real tokens nor trained, so any id will do.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Training: a tokenizer other than the model's own must not give ids beyond the model's
+    embeddings (only its config.json is read: before the data, which it would tokenise for nothing).
+    `python -m sft.data` shows data with any tokenizer."""
+    if cfg.tokenizer:
         vocab = _model_config(cfg).get_text_config().vocab_size
         if len(tokenizer) > vocab:
             raise ModelError(f"model.tokenizer={cfg.tokenizer!r} has {len(tokenizer)} tokens, but "
                              f"model.name_or_path={cfg.name_or_path!r} embeds {vocab}: use the model's own "
                              "tokenizer (remove model.tokenizer) or one of its vocabulary")
-    if tokenizer.pad_token_id is None:
-        # Pads are never attended to by real tokens nor trained, so any id will do.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def _model_config(cfg: ModelConfig) -> PretrainedConfig:
