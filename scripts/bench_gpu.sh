@@ -58,7 +58,8 @@
 #   config30b issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's step (grad-acc 8, flex attention) under the layout
 #             the planner names for 2 x 141 GiB, and under plan.auto's choice on this card
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
-#             plan.auto) and QLoRA (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
+#             plan.auto; plan.auto with the base's matmuls in float8, tensorwise and rowwise) and QLoRA
+#             (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
 #             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs;
 #             TRACE=1: plan.auto's LoRA run traced at steps 9-10
@@ -116,7 +117,7 @@ ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with th
     else  # shellcheck disable=SC2086
       python3 -m sft.plan --config "$config" --gpus "$NGPU" --gpu-mem "$gpu_gib" $overrides 2>/dev/null | grep "^this config"
     fi
-    [[ "$overrides" == *float8=tensorwise* ]] && float8_applied "$name"
+    [[ "$overrides" == *precision.float8=* ]] && float8_applied "$name"
     [ -f "runs/bench/$name/profile/summary.txt" ] && cp "runs/bench/$name/profile/summary.txt" "$LOGS/$name.profile.txt"
   done
   [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup "${WARMUP:-4}" | tee "runs/bench/$stage.md"
@@ -541,6 +542,8 @@ RUNS
       ac_runs lora <<RUNS
 lora-p7b-ac1    configs/bench/p7b.yaml $LORA ac.ratio=1
 lora-p7b-auto   configs/bench/p7b.yaml $LORA plan.auto=true $TRACED
+lora-p7b-f8-auto  configs/bench/p7b.yaml $LORA plan.auto=true precision.float8=tensorwise
+lora-p7b-f8r-auto configs/bench/p7b.yaml $LORA plan.auto=true precision.float8=rowwise
 qlora-p7b-ac1   configs/bench/p7b.yaml $LORA lora.base=nf4 ac.ratio=1
 qlora-p7b-auto  configs/bench/p7b.yaml $LORA lora.base=nf4 plan.auto=true
 RUNS

@@ -27,7 +27,7 @@ weights are all experts' (FSDP gathers whole blocks). Under expert parallelism t
 eagerly, and keep what their activation saves (counted by running it: gpt-oss's clamped SwiGLU
 keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
 (docs/BENCHMARKS.md, issue #36) are within 10%.
-With precision.float8 the inputs of the block's Linear layers (3 h + ffn values) are saved as
+With precision.float8 (full fine-tuning) the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
 attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
@@ -335,6 +335,13 @@ def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
+def float8_saves_inputs(cfg: Config) -> bool:
+    """Whether the blocks' Linear layers keep their inputs in float8 for the backward: torchao's
+    float8 layers do; LoRA's float8 base matmuls keep no input (the frozen weight needs no gradient),
+    but its adapters keep theirs in bf16."""
+    return cfg.precision.float8 != "none" and not cfg.lora.enabled
+
+
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
     """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
     split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
@@ -342,7 +349,7 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     return peak_bytes(s, ParallelDims.of(cfg, gpus).shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
                       cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      cfg.precision.float8 != "none", ac_mode, cfg.cp.degree, cfg.moe.ep_degree,
+                      float8_saves_inputs(cfg), ac_mode, cfg.cp.degree, cfg.moe.ep_degree,
                       state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize) / GIB
 
 

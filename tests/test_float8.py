@@ -136,6 +136,63 @@ def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
     assert rowwise.cast_config_weight.scaling_granularity is ScalingGranularity.AXISWISE
 
 
+def float8_round_trip(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """`t` through float8 and back in float32, at a power-of-two scale that maps the largest magnitude
+    (of the whole tensor, or of each slice along `dim`) to at most float8's largest value."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax.float())))
+    return (t.float() * scale).to(dtype).float() / scale
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_lora_base_matmul_in_float8_is_the_round_trip_matmul_without_weight_gradient(recipe, device):
+    """frozen_float8_linear is x W^T on float8 round trips of x and W (the backward: of the output's
+    gradient, e5m2 with tensorwise scales, and W), computed once by hand here; W gets no gradient.
+    Rows of x a million times apart: rowwise scales keep every row's error at float8's, one scale for
+    the tensor flushes the small rows to nothing. The cuda case runs where there is a GPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU here (run it on one: the GPU's float8 matmul is another kernel)")
+    from sft.models.float8 import frozen_float8_linear
+
+    torch.manual_seed(0)
+    x = (torch.randn(2, 16, 64) * torch.logspace(-4, 2, 16).view(1, 16, 1)).bfloat16().to(device).requires_grad_()
+    weight = (torch.randn(48, 64) * 0.05).bfloat16().to(device)
+    grad = torch.randn(2, 16, 48).bfloat16().to(device)
+    out = frozen_float8_linear(x, weight, recipe)
+    out.backward(grad)
+    rowwise, e4m3 = recipe == "rowwise", torch.float8_e4m3fn
+    expected = float8_round_trip(x, e4m3, -1 if rowwise else None) @ float8_round_trip(weight, e4m3, -1 if rowwise else None).T
+    expected_grad = (float8_round_trip(grad, e4m3 if rowwise else torch.float8_e5m2, -1 if rowwise else None)
+                     @ float8_round_trip(weight, e4m3, 0 if rowwise else None))
+    assert out.dtype == x.grad.dtype == torch.bfloat16 and weight.grad is None
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(x.grad.float(), expected_grad, rtol=1e-2, atol=1e-6)
+    exact = x.float() @ weight.float().T
+    row_errors = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1)).flatten()
+    if rowwise:
+        assert row_errors.max() < 0.08
+    else:
+        assert row_errors.max() >= 1 and row_errors.min() < 0.08  # the smallest rows lost (or became zeros)
+
+
+def test_with_lora_only_the_adapted_layers_base_matmuls_turn_float8(capsys):
+    """With LoRA, float8 marks the adapted layers (their frozen base matmuls run in float8) and
+    converts nothing else: the adapters stay bf16 Linears, and torchao is not needed."""
+    from sft.config import LoRAConfig
+    from sft.models.float8 import apply_float8
+    from sft.models.lora import LoRALinear, apply_lora
+
+    model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
+    blocks = decoder_blocks(model)
+    apply_lora(model, blocks, LoRAConfig(rank=4, target_modules=["q_proj", "up_proj"]), torch.bfloat16)
+    apply_float8(blocks, "rowwise")
+    adapted = {name: m.float8 for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert len(adapted) == 8 and set(adapted.values()) == {"rowwise"}
+    assert {type(m) for name, m in model.named_modules() if name.endswith(("lora_A", "lora_B", "k_proj"))} == {nn.Linear}
+    assert "applied float8 (rowwise) to the frozen base matmuls of 8 linears in 4 blocks, skipped 0" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # compiles the cast (inductor)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_fused_weight_cast_gives_torchao_bytes(device, monkeypatch):

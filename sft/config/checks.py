@@ -138,11 +138,11 @@ def _lora_checks(cfg: Config, local_checks: bool) -> list[str]:
         problems.append(f"lora.dropout={lora.dropout}: must be in [0, 1)")
     if not lora.target_modules:
         problems.append("lora.target_modules=[]: name at least one Linear layer (or all-linear)")
-    if cfg.precision.float8 != "none":
-        problems.append(f"precision.float8={cfg.precision.float8!r}: not with LoRA yet (the frozen base's matmuls "
-                        "stay bf16); set precision.float8=none")
     if lora.base != "nf4":
         return problems
+    if cfg.precision.float8 != "none":
+        problems.append(f"precision.float8={cfg.precision.float8!r}: not with lora.base='nf4' (the 4-bit base "
+                        "dequantises to bfloat16 for its matmuls); set precision.float8=none or lora.base=bfloat16")
     if local_checks and importlib.util.find_spec("torchao") is None:
         problems.append("lora.base='nf4': needs torchao: pip install -e '.[fp8]' (or lora.base=bfloat16)")
     if cfg.fsdp.cpu_offload:

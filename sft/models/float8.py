@@ -13,6 +13,11 @@ Recipes (precision.float8):
   (`fuse_weight_casts`). The fastest.
 * rowwise: one scale per row; more accurate with outliers, slower, bf16 all-gather.
 
+With LoRA the blocks' base weights are frozen: torchao's Float8Linear would still compute their
+weight gradients (a third of the matmuls). There the adapted layers' base matmuls run through
+`frozen_float8_linear` instead (the recipe picks the scales as above; the base weights stay bf16 and
+all-gather in bf16), and the adapters stay in bf16.
+
 torchao is an optional dependency (pip install -e '.[fp8]'): only this module uses it, and only
 inside the functions, so importing sft.float8 (and training with precision.float8: none) never
 needs it.
@@ -49,7 +54,7 @@ def float8_linear_config(recipe: str, emulate: bool = False) -> Float8LinearConf
     raise AssertionError(f"unknown float8 recipe {recipe!r} (the config should have refused it)")
 
 
-def _skip_reason(linear: nn.Linear) -> str | None:
+def _skip_reason(linear: nn.Module) -> str | None:
     if linear.in_features % _ALIGNMENT or linear.out_features % _ALIGNMENT:
         return f"in/out features {linear.in_features}/{linear.out_features} not multiples of {_ALIGNMENT}"
     return None
@@ -59,30 +64,85 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, co
     """Swap the blocks' nn.Linear layers for Float8Linear in place (on the meta model, before
     activation checkpointing, compile and fully_shard wrap them); Linears whose dimensions do not
     suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged. `compiled`: the
-    blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts).
+    blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts). With LoRA,
+    the adapted layers' frozen base matmuls run in float8 instead (frozen_float8_linear).
 
     `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
     CPU's float8 matmul is a reference kernel about 200x slower than torchao's emulation."""
-    from torchao.float8 import convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    from sft.models.lora import LoRALinear  # which imports this module
 
-    config = float8_linear_config(recipe, emulate)
     skipped: dict[str, list[str]] = {}  # reason -> names of the Linears left in high precision
 
-    def convert(linear: nn.Linear, name: str) -> bool:  # torchao calls it for every nn.Linear
+    def convert(linear: nn.Module, name: str) -> bool:
         reason = _skip_reason(linear)
         if reason:
             skipped.setdefault(reason, []).append(name)
         return reason is None
 
-    for block in blocks:
-        convert_to_float8_training(block, module_filter_fn=convert, config=config)
-    if recipe == "tensorwise" and compiled:
-        fuse_weight_casts()
-    converted = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
+    adapted = [(name, module) for block in blocks for name, module in block.named_modules()
+               if isinstance(module, LoRALinear)]
+    if adapted:
+        for name, layer in adapted:
+            layer.float8 = recipe if convert(layer, name) else None
+        what = "the frozen base matmuls of "
+        converted = sum(layer.float8 is not None for _, layer in adapted)
+    else:
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        config = float8_linear_config(recipe, emulate)
+        for block in blocks:  # torchao calls `convert` for every nn.Linear
+            convert_to_float8_training(block, module_filter_fn=convert, config=config)
+        if recipe == "tensorwise" and compiled:
+            fuse_weight_casts()
+        what = ""
+        converted = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
     details = "; ".join(f"{len(names)} with {reason} (e.g. {names[0]})" for reason, names in skipped.items())
-    log0(f"applied float8 ({recipe}) to {converted} linears in {len(blocks)} blocks, "
+    log0(f"applied float8 ({recipe}) to {what}{converted} linears in {len(blocks)} blocks, "
          f"skipped {sum(map(len, skipped.values()))}" + (f": {details}" if details else ""))
+
+
+def _to_float8(tensor: torch.Tensor, dtype: torch.dtype, rowwise: bool, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tensor` in float8 and the scale that undoes the cast (float32): one scale for the whole
+    tensor, or with `rowwise` one for each slice along `dim` (the matmul's reduction dimension). The
+    scale is a power of two, so scaling adds no rounding of its own (torchao's rowwise recipe too)."""
+    amax = tensor.abs().amax(dim=dim, keepdim=True) if rowwise else tensor.abs().amax()
+    limit = torch.finfo(dtype).max
+    scale = torch.exp2(torch.floor(torch.log2(limit / amax.float().clamp(min=1e-12))))
+    return (tensor.float() * scale).clamp(-limit, limit).to(dtype), scale.reciprocal()
+
+
+class _FrozenFloat8Matmul(torch.autograd.Function):
+    """x W^T for a frozen W in float8: the forward and the input's gradient, and no weight gradient
+    (the matmul a LoRA base does not need). It keeps only W for its backward, the parameter FSDP
+    gathers again there, and casts it anew: a saved float8 copy would hold every block's weights."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.rowwise = rowwise
+        rows = x.reshape(-1, x.shape[-1])
+        x8, x_scale = _to_float8(rows, torch.float8_e4m3fn, rowwise, dim=-1)
+        w8, w_scale = _to_float8(weight, torch.float8_e4m3fn, rowwise, dim=-1)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        # gradients span a wider range: e5m2 with one scale (torchao's tensorwise recipe), e4m3 by rows
+        g8, g_scale = _to_float8(rows, torch.float8_e4m3fn if ctx.rowwise else torch.float8_e5m2, ctx.rowwise, dim=-1)
+        w8, w_scale = _to_float8(weight, torch.float8_e4m3fn, ctx.rowwise, dim=0)
+        # _scaled_mm takes its second operand column-major: W [out, in] stored transposed
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_scale, scale_b=w_scale, out_dtype=grad.dtype)
+        return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None
+
+
+def frozen_float8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """F.linear(x, weight) without bias for a frozen `weight`, its matmuls in float8 (`recipe`:
+    precision.float8's tensorwise or rowwise scales)."""
+    return _FrozenFloat8Matmul.apply(x, weight, recipe == "rowwise")
 
 
 def scale_to_float8(weight: torch.Tensor, scale: torch.Tensor, float8_dtype: torch.dtype) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
+from sft.models.float8 import frozen_float8_linear
 from sft.models.build import clean_name
 
 
@@ -52,6 +53,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.float8: str | None = None  # precision.float8's recipe for the base matmul (sft/models/float8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -60,7 +62,12 @@ class LoRALinear(nn.Module):
             # (2 bytes a base parameter: QLoRA's saving gone); checkpointed, it keeps the NF4 data and
             # dequantises again there. Eager, torchao's NF4 linear already saves only the NF4 weight.
             weight = checkpoint(_dequantized, weight, x.dtype, use_reentrant=False)
-        return F.linear(x, weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        if self.float8:
+            base = frozen_float8_linear(x, weight, self.float8)
+            base = base + self.bias if self.bias is not None else base
+        else:
+            base = F.linear(x, weight, self.bias)
+        return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
 # Bytes per frozen parameter of a 4-bit NormalFloat base (lora.base: nf4, torchao's NF4Tensor): 4 bits
