@@ -44,7 +44,8 @@ from sft.plan import apply_auto_plan, check_fits, gpu_memory_gib
 from sft.profiling import StepProfiler
 from sft.training.evaluate import evaluate
 from sft.training.loss import attach_sft_loss, forward_backward
-from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
+from sft.training.metrics import (EndedStep, MetricsLogger, StepMetrics, host_peak_rss_per_rank,
+                                  seconds_since_process_start)
 from sft.training.optim import apply_master_dtype, build_optimizer, build_scheduler, clip_grad_norm
 from sft.training.rundir import RunDirectory
 
@@ -52,7 +53,7 @@ from sft.training.rundir import RunDirectory
 def main(argv: list[str] | None = None) -> int:
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
-    # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run after its next step, and the
+    # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run within two steps, and the
     # death of the launcher ends it at once until training starts (sft/training/preemption.py).
     stop = StopRequest(cfg.run_dir / STOP_REQUEST, started_at=time.time() - seconds_since_process_start())
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
@@ -136,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
             "tokens_seen": metrics.tokens_seen, "global_batch": global_batch, "world_size": env.world_size,
             "first_eval_loss": first_eval}, blocking)
 
+    ended: list[EndedStep] = []  # steps whose metrics are on their way from the GPU
+
+    def report(keep: int) -> bool:
+        """Log the ended steps' metrics but the last `keep`; return whether any rank asked to stop."""
+        asked = False
+        while len(ended) > keep:
+            entry, stop_asked = metrics.read(ended.pop(0))
+            logger.log(entry)
+            asked |= stop_asked
+        return asked
+
     # A resumed run keeps the eval loss of the run's start (no extra full eval per resume).
     first_eval = state["first_eval_loss"] if "first_eval_loss" in state else run_eval(start_step)
     step, stopped = start_step, False
@@ -151,17 +163,25 @@ def main(argv: list[str] | None = None) -> int:
         precompute_float8_scales(model, cfg.precision.float8)  # tensorwise: next step's float8 all-gather
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        entry, stopped = metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
-        logger.log(entry)
+        ended.append(metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested))
+        save_now = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0 and step != total_steps
+        eval_now = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step != total_steps
+        # The host reads a step's metrics one step late, once the next step's work is queued: reading
+        # them at once would leave the GPU idle while the host prepares the next step. A save (it
+        # records the tokens seen), an eval and the last step read at once; so does a stop, which
+        # thus comes after the step that follows the request.
+        stopped = report(keep=0 if save_now or eval_now or step == total_steps else 1)
+        if stopped:
+            report(keep=0)
         profiler.step_ends(step)
         ckpt.poll()  # commits a background save once every rank has written it
         if stopped:
             break
         if step == start_step + 1:
             ckpt.prepare_staging(model, optimizer)  # host buffers for asynchronous saves, in the background
-        if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step != total_steps:
+        if save_now:
             save(step, blocking=False)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step != total_steps:
+        if eval_now:
             run_eval(step)
 
     # The one shutdown path, for a finished run and for a stop on SIGTERM/SIGUSR1.

@@ -113,9 +113,19 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without making the host wait for the GPU: a plain copy from host memory
+    to a GPU waits until the GPU has run everything queued before it (a whole step), a copy from
+    pinned memory is queued like a kernel."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a small vector of numbers over all ranks (float64, so token counts stay exact)."""
-    t = torch.as_tensor(values, dtype=torch.float64, device=device).clone()
+    """Sum a small vector of numbers over all ranks (float64, so token counts stay exact); the host
+    does not wait for the result."""
+    t = to_device(torch.as_tensor(values, dtype=torch.float64), device).clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 

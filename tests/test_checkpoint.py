@@ -197,7 +197,9 @@ def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data, tmp_p
     stdout, stderr = proc.communicate(timeout=60)  # the workers held its pipes
     if checkpointed:
         stopped = json.loads((run / "stopped").read_text())
-        assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 3, (stopped, stdout[-2000:], stderr[-2000:])
+        # step 1 is logged while step 2 runs (metrics are read a step late, train.py), the kill comes
+        # during step 2 or 3, and its stop flag is read in the step after: at most step 4
+        assert stopped["signal"] == LAUNCHER_GONE and 1 <= stopped["step"] <= 4, (stopped, stdout[-2000:], stderr[-2000:])
         resumed_from = stopped["step"]
     else:
         errors = [line for line in stderr.splitlines() if line.startswith("error")]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 
 from sft import atomic
 from sft.config import LoggingConfig
-from sft.distributed import DistEnv, all_reduce_sum, log0
+from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
 from sft.parallel.mesh import ParallelDims
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
@@ -105,8 +106,9 @@ class StepMetrics:
     """The numbers of each optimizer step, from the values the loop hands over by name.
 
     One all-reduce per step carries the loss sum, the token and FLOP counts and the stop flag
-    (so every rank learns of a SIGTERM at the same step); reading its result is the step's only
-    wait for the GPU. The entry it returns is a metrics.jsonl line (STEP_KEYS).
+    (so every rank learns of a SIGTERM at the same step); reading its result (`read`) is the step's
+    only wait for the GPU, and the loop reads a step's after it has queued the next step's work. The
+    entry `read` returns is a metrics.jsonl line (STEP_KEYS).
     """
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
@@ -133,49 +135,90 @@ class StepMetrics:
         if env.device.type == "cuda" and self.peak_flops is None:
             log0(f"metrics: no bf16 peak known for {torch.cuda.get_device_name(env.device)}; MFU is not reported")
         self.step_times: list[float] = []
-        self._t0 = 0.0
+        self._t0 = self._last_read = 0.0
 
     def step_begins(self) -> None:
         self._t0 = time.perf_counter()
 
     def step_ends(self, step: int, micro_batches: list[tuple[dict, int]], ce_sum: torch.Tensor,
-                  supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> tuple[dict, bool]:
-        """Return (this step's metrics.jsonl entry, whether any rank asked to stop).
+                  supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> EndedStep:
+        """Start the step's one all-reduce and the copy of its result to the host, and return them;
+        nothing here waits for the GPU (`read` does).
 
         `micro_batches` are (batch, real tokens) pairs; `ce_sum` is this rank's summed CE,
         `supervised` the global supervised-token count, `grad_norm` the global norm.
         """
+        device = self.env.device
         tokens = sum(n for _, n in micro_batches) * self.row_share
         flops = sum(n * flops_per_token(self.trained, self.frozen, self.num_layers, self.hidden, b["input_ids"].shape[1])
                     for b, n in micro_batches) * self.row_share
-        router_stats = self.moe.step_stats().double().flatten().to(self.env.device) if self.moe else None
-        summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(self.env.device),
-                                           torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64,
-                                                        device=self.env.device),
-                                           *([router_stats] if self.moe else [])]), self.env.device)
-        if self.moe:  # the MoE part: [layers, 1 + experts] sums over ranks
-            router_stats, summed = summed[4:].view(len(self.moe.blocks), -1), summed[:4]
-        # grad_norm may live on the host (CPU offload): bring everything to one device to read it once.
-        ce_total, tokens, flops, stops, supervised, grad_norm = torch.cat(
-            [summed, supervised.double().view(1).to(self.env.device),
-             grad_norm.double().view(1).to(self.env.device)]).tolist()
+        counted = to_device(torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64), device)
+        router_stats = [self.moe.step_stats().double().flatten().to(device)] if self.moe else []
+        summed = all_reduce_sum(torch.cat([ce_sum.double().view(1).to(device), counted, *router_stats]), device)
+        # grad_norm may live on the host (CPU offload): everything on one device, to read it at once.
+        values = torch.cat([summed[:4], supervised.double().view(1).to(device),
+                            to_device(grad_norm.double().view(1), device), summed[4:]])
+        # The allocator's numbers are the host's bookkeeping: this step's, now.
+        return EndedStep(step, lr, self._t0, _HostCopy(values), self.allocator.step())
+
+    def read(self, ended: EndedStep) -> tuple[dict, bool]:
+        """Return (the metrics.jsonl entry of a step that `step_ends` ended, whether any rank asked to
+        stop); waits for that step's work on the GPU, not for work queued after it."""
+        values = ended.values.get()
+        ce_total, tokens, flops, stops, supervised, grad_norm = values[:6].tolist()
+        now = time.perf_counter()
+        # From the later of the step's start and the previous step's end: the host starts a step
+        # while the GPU still runs the one before.
+        step_time = now - max(ended.began, self._last_read)
+        self._last_read = now
         tokens = round(tokens)
-        step_time = time.perf_counter() - self._t0
         self.step_times.append(step_time)
         self.tokens_seen += int(tokens)
         per_gpu = step_time * self.env.world_size
-        entry = {"step": step, "loss": ce_total / supervised, "grad_norm": grad_norm, "lr": lr,
+        entry = {"step": ended.step, "loss": ce_total / supervised, "grad_norm": grad_norm, "lr": ended.lr,
                  "tokens": int(tokens), "supervised_tokens": int(supervised), "tokens_seen": self.tokens_seen,
-                 "step_time": step_time, "eta_s": (self.total_steps - step) * statistics.median(self.step_times[-20:]),
+                 "step_time": step_time,
+                 "eta_s": (self.total_steps - ended.step) * statistics.median(self.step_times[-20:]),
                  "tokens_per_s_per_gpu": tokens / per_gpu, "supervised_tokens_per_s_per_gpu": supervised / per_gpu,
-                 **self.allocator.step()}
-        if self.moe:
-            entry.update(self.moe.summary(router_stats))
+                 **ended.allocator}
+        if self.moe:  # the MoE part: [layers, 1 + experts] sums over ranks
+            entry.update(self.moe.summary(values[6:].view(len(self.moe.blocks), -1)))
         if self.peak_flops:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
             entry.update(self.first_step_extras)
         return entry, stops > 0
+
+
+class _HostCopy:
+    """A copy of a small GPU tensor to the host that is queued, not waited for: `get` waits for the
+    work queued before it only (a CPU tensor is its own copy)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
+@dataclasses.dataclass
+class EndedStep:
+    """A step whose numbers are on their way to the host (StepMetrics.step_ends -> read)."""
+
+    step: int
+    lr: float
+    began: float  # time.perf_counter() at step_begins
+    values: _HostCopy
+    allocator: dict
 
 
 class MetricsLogger:

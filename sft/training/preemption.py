@@ -1,11 +1,12 @@
 """Preemption: SIGTERM / SIGUSR1, or a `stop-request` file in the run directory, ask the run to
-stop after the current step with a checkpoint; so does the death of the torchrun that started
-this worker.
+stop with a checkpoint, after the current step and the next; so does the death of the torchrun
+that started this worker.
 
 A handler only sets a flag (nothing unsafe happens inside a signal handler). The training loop
 sums the flag over ranks with the step's metrics all-reduce, so every rank sees the request at
-the same step and leaves the loop there; the shutdown path commits a checkpoint, then writes the
-`stopped` marker (step, signal, time) into the run directory and exits with REQUEUE_EXIT_CODE.
+the same step (it reads that sum once the next step's work is queued) and leaves the loop there;
+the shutdown path commits a checkpoint, then writes the `stopped` marker (step, signal, time) into
+the run directory and exits with REQUEUE_EXIT_CODE.
 
 slurm/train.slurm asks through the file rather than a signal: torchrun SIGKILLs its workers 30 s
 after forwarding a signal (before torch 2.12 that cannot be changed), and a 7B save takes a
