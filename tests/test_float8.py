@@ -166,14 +166,18 @@ def test_lora_base_matmul_in_float8_is_the_round_trip_matmul_without_weight_grad
     expected_grad = (float8_round_trip(grad, e4m3 if rowwise else torch.float8_e5m2, -1 if rowwise else None)
                      @ float8_round_trip(weight, e4m3, 0 if rowwise else None))
     assert out.dtype == x.grad.dtype == torch.bfloat16 and weight.grad is None
-    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-6)
-    torch.testing.assert_close(x.grad.float(), expected_grad, rtol=1e-2, atol=1e-6)
-    exact = x.float() @ weight.float().T
-    row_errors = ((out.float() - exact).norm(dim=-1) / exact.norm(dim=-1)).flatten()
+
+    def row_errors(result: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """Each row's error relative to the row (rows are 1e6 apart; elements may cancel to ~0)."""
+        return ((result.float() - reference).norm(dim=-1) / reference.norm(dim=-1).clamp(min=1e-30)).flatten()
+
+    assert row_errors(out, expected).max() < 1e-2  # bf16 output, float32 sums in another order
+    assert row_errors(x.grad, expected_grad).max() < 1e-2
+    errors = row_errors(out, x.float() @ weight.float().T)
     if rowwise:
-        assert row_errors.max() < 0.08
+        assert errors.max() < 0.08
     else:
-        assert row_errors.max() >= 1 and row_errors.min() < 0.08  # the smallest rows lost (or became zeros)
+        assert errors.max() >= 1 and errors.min() < 0.08  # the smallest rows lost (or became zeros)
 
 
 def test_with_lora_only_the_adapted_layers_base_matmuls_turn_float8(capsys):

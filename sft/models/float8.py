@@ -107,9 +107,8 @@ def _to_float8(tensor: torch.Tensor, dtype: torch.dtype, rowwise: bool, dim: int
     tensor, or with `rowwise` one for each slice along `dim` (the matmul's reduction dimension). The
     scale is a power of two, so scaling adds no rounding of its own (torchao's rowwise recipe too)."""
     amax = tensor.abs().amax(dim=dim, keepdim=True) if rowwise else tensor.abs().amax()
-    limit = torch.finfo(dtype).max
-    scale = torch.exp2(torch.floor(torch.log2(limit / amax.float().clamp(min=1e-12))))
-    return (tensor.float() * scale).clamp(-limit, limit).to(dtype), scale.reciprocal()
+    scale = torch.exp2(torch.floor(torch.log2(torch.finfo(dtype).max / amax.float().clamp(min=1e-12))))
+    return scale_to_float8(tensor, scale, dtype), scale.reciprocal()
 
 
 class _FrozenFloat8Matmul(torch.autograd.Function):
@@ -119,21 +118,26 @@ class _FrozenFloat8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, rowwise: bool) -> torch.Tensor:
-        ctx.save_for_backward(weight)
         ctx.rowwise = rowwise
         rows = x.reshape(-1, x.shape[-1])
         x8, x_scale = _to_float8(rows, torch.float8_e4m3fn, rowwise, dim=-1)
         w8, w_scale = _to_float8(weight, torch.float8_e4m3fn, rowwise, dim=-1)
-        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t(), out_dtype=x.dtype)
+        # One scale for W serves the backward too (a scalar: spares it a pass over W); a scale per
+        # row of W does not (the backward sums over W's rows).
+        ctx.save_for_backward(weight, w_scale if not rowwise else None)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.t().contiguous(), out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        (weight,) = ctx.saved_tensors
+        weight, w_scale = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
         # gradients span a wider range: e5m2 with one scale (torchao's tensorwise recipe), e4m3 by rows
         g8, g_scale = _to_float8(rows, torch.float8_e4m3fn if ctx.rowwise else torch.float8_e5m2, ctx.rowwise, dim=-1)
-        w8, w_scale = _to_float8(weight, torch.float8_e4m3fn, ctx.rowwise, dim=0)
+        if w_scale is None:
+            w8, w_scale = _to_float8(weight, torch.float8_e4m3fn, True, dim=0)
+        else:
+            w8 = scale_to_float8(weight, w_scale.reciprocal(), torch.float8_e4m3fn)
         # _scaled_mm takes its second operand column-major: W [out, in] stored transposed
         grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), scale_a=g_scale, scale_b=w_scale, out_dtype=grad.dtype)
         return grad_x.reshape(*grad.shape[:-1], weight.shape[1]), None, None

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
 from sft.data.masking import IGNORE_INDEX
-from sft.distributed import all_reduce_sum
+from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError
 from sft.parallel.context_parallel import attention_mask, shard_rows
 from sft.parallel.mesh import ParallelDims
@@ -145,8 +145,8 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
             model.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
-            moe.begin_micro_batch(micro_batches[i]["real_tokens"].to(device, non_blocking=True))
-        loss = model.sft_loss(**{k: v.to(device, non_blocking=True) for k, v in batch.items()})
+            moe.begin_micro_batch(to_device(micro_batches[i]["real_tokens"], device))
+        loss = model.sft_loss(**{k: to_device(v, device) for k, v in batch.items()})
         if moe:
             moe.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()

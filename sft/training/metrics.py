@@ -135,10 +135,10 @@ class StepMetrics:
         if env.device.type == "cuda" and self.peak_flops is None:
             log0(f"metrics: no bf16 peak known for {torch.cuda.get_device_name(env.device)}; MFU is not reported")
         self.step_times: list[float] = []
-        self._t0 = self._last_read = 0.0
+        self._began: _Mark | None = None
 
     def step_begins(self) -> None:
-        self._t0 = time.perf_counter()
+        self._began = _Mark(self.env.device)
 
     def step_ends(self, step: int, micro_batches: list[tuple[dict, int]], ce_sum: torch.Tensor,
                   supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> EndedStep:
@@ -158,19 +158,20 @@ class StepMetrics:
         # grad_norm may live on the host (CPU offload): everything on one device, to read it at once.
         values = torch.cat([summed[:4], supervised.double().view(1).to(device),
                             to_device(grad_norm.double().view(1), device), summed[4:]])
+        if device.type == "cuda":
+            values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
         # The allocator's numbers are the host's bookkeeping: this step's, now.
-        return EndedStep(step, lr, self._t0, _HostCopy(values), self.allocator.step())
+        return EndedStep(step, lr, self._began, _Mark(device), values, self.allocator.step())
 
     def read(self, ended: EndedStep) -> tuple[dict, bool]:
         """Return (the metrics.jsonl entry of a step that `step_ends` ended, whether any rank asked to
         stop); waits for that step's work on the GPU, not for work queued after it."""
-        values = ended.values.get()
+        ended.ended.wait()
+        values = ended.values
         ce_total, tokens, flops, stops, supervised, grad_norm = values[:6].tolist()
-        now = time.perf_counter()
-        # From the later of the step's start and the previous step's end: the host starts a step
-        # while the GPU still runs the one before.
-        step_time = now - max(ended.began, self._last_read)
-        self._last_read = now
+        # The GPU's time from the step's start to its end: the host queues a step's start while the
+        # GPU still runs the step before, so it is reached when that one ends.
+        step_time = ended.ended.seconds_since(ended.began)
         tokens = round(tokens)
         self.step_times.append(step_time)
         self.tokens_seen += int(tokens)
@@ -190,24 +191,26 @@ class StepMetrics:
         return entry, stops > 0
 
 
-class _HostCopy:
-    """A copy of a small GPU tensor to the host that is queued, not waited for: `get` waits for the
-    work queued before it only (a CPU tensor is its own copy)."""
+class _Mark:
+    """A moment in the order of the device's work: on a GPU a timing event queued on the stream
+    (reached once everything queued before it has run), on the CPU the host's clock (its work
+    runs as it is issued)."""
 
-    def __init__(self, tensor: torch.Tensor):
-        self.event = None
-        if tensor.device.type == "cuda":
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
+    def __init__(self, device: torch.device):
+        self.event, self.time = None, time.perf_counter()
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
-        else:
-            self.host = tensor
 
-    def get(self) -> torch.Tensor:
+    def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
-        return self.host
+
+    def seconds_since(self, earlier: _Mark) -> float:
+        """Seconds of the device's time between `earlier` and this mark (after `wait`)."""
+        if self.event is not None:
+            return earlier.event.elapsed_time(self.event) / 1000
+        return self.time - earlier.time
 
 
 @dataclasses.dataclass
@@ -216,8 +219,9 @@ class EndedStep:
 
     step: int
     lr: float
-    began: float  # time.perf_counter() at step_begins
-    values: _HostCopy
+    began: _Mark
+    ended: _Mark  # queued after the copy of `values`
+    values: torch.Tensor  # on the host: pinned memory that the GPU copies to, or the CPU's own tensor
     allocator: dict
 
 
