@@ -34,7 +34,7 @@ from sft.distributed import init_distributed, log0, rank0_first
 from sft.errors import run_command
 from sft.export import export_hf
 from sft.models.build import (build_meta_model, check_vocabulary, decoder_blocks, load_tokenizer, materialize,
-                              real_buffers)
+                              real_buffers, use_causal_sdpa)
 from sft.models.float8 import precompute_float8_scales
 from sft.models.lora import apply_lora
 from sft.models.moe import apply_moe
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     # Model: built on meta, parallelized in the fixed order (sft/parallel/parallelize.py), then
     # materialised shard by shard, so no rank ever holds the full weights.
     model = rank0_first(lambda: build_meta_model(cfg.model))
+    use_causal_sdpa(model, cfg.data.packing)  # rows of one sequence: no mask, no wait for the GPU to build one
     # MoE models: our routing, experts and load-balancing loss; None if dense (rank 0 first: one error)
     moe = rank0_first(lambda: apply_moe(model, cfg.moe))
     # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.

@@ -62,7 +62,7 @@
 #             (NF4 base: ac 1, plan.auto), then, with PEER_DIR set (a copy of the peer's
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
 #             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs;
-#             TRACE=1: plan.auto's LoRA run traced at steps 9-10
+#             TRACE=1: plan.auto's LoRA runs (bf16 and float8 tensorwise) traced at steps 9-10
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
@@ -542,7 +542,7 @@ RUNS
       ac_runs lora <<RUNS
 lora-p7b-ac1    configs/bench/p7b.yaml $LORA ac.ratio=1
 lora-p7b-auto   configs/bench/p7b.yaml $LORA plan.auto=true $TRACED
-lora-p7b-f8-auto  configs/bench/p7b.yaml $LORA plan.auto=true precision.float8=tensorwise
+lora-p7b-f8-auto  configs/bench/p7b.yaml $LORA plan.auto=true precision.float8=tensorwise $TRACED
 lora-p7b-f8r-auto configs/bench/p7b.yaml $LORA plan.auto=true precision.float8=rowwise
 qlora-p7b-ac1   configs/bench/p7b.yaml $LORA lora.base=nf4 ac.ratio=1
 qlora-p7b-auto  configs/bench/p7b.yaml $LORA lora.base=nf4 plan.auto=true

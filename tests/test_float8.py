@@ -153,6 +153,8 @@ def test_lora_base_matmul_in_float8_is_the_round_trip_matmul_without_weight_grad
     the tensor flushes the small rows to nothing. The cuda case runs where there is a GPU."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU here (run it on one: the GPU's float8 matmul is another kernel)")
+    if device == "cpu" and recipe == "rowwise" and torch.__version__ < "2.13":
+        pytest.skip("before torch 2.13 the CPU's float8 matmul takes one scale per tensor only")
     from sft.models.float8 import frozen_float8_linear
 
     torch.manual_seed(0)

@@ -57,3 +57,44 @@ def test_collate_right_pads_and_keeps_hf_label_convention():
                                         [-100, -100, 10, 11, 12, -100, -100, -100]]
     assert batch["position_ids"].tolist() == [list(range(8))] * 2
     assert collate(samples, 0, max_seq_len=16, pad_to_max=True)["input_ids"].shape == (2, 16)
+
+
+def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(monkeypatch):
+    """use_causal_sdpa: the demo model (every layer full attention) on rows of one sequence with pads
+    after it gives the loss and gradients it gave before, without transformers' packed-sequence
+    check (which reads the GPU's position_ids: a host sync every forward); refused for packed rows,
+    other attention and sliding windows."""
+    import transformers.masking_utils
+
+    from sft.config import ModelConfig
+    from sft.models.build import CAUSAL_SDPA, build_meta_model, use_causal_sdpa
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("configs/demo/model"), attn_implementation="sdpa")
+    batch = collate([{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (17, 9)],
+                    pad_token_id=0, max_seq_len=64)
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    before, grads_before = loss_and_grads()
+    assert use_causal_sdpa(model, packing=False) and model.config._attn_implementation == CAUSAL_SDPA
+
+    def no_check(position_ids):
+        raise AssertionError("transformers looked for packed sequences")
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", no_check)
+    after, grads_after = loss_and_grads()
+    assert torch.equal(after, before)
+    assert all(torch.equal(a, b) for a, b in zip(grads_after, grads_before))
+
+    assert not use_causal_sdpa(build_meta_model(ModelConfig(name_or_path="configs/demo/model")), packing=True)
+    eager = build_meta_model(ModelConfig(name_or_path="configs/demo/model", attn_implementation="eager"))
+    assert not use_causal_sdpa(eager, packing=False)
+    sliding = build_meta_model(ModelConfig(name_or_path="configs/demo/model"))
+    sliding.config.layer_types = ["sliding_attention"] + sliding.config.layer_types[1:]
+    assert not use_causal_sdpa(sliding, packing=False) and sliding.config._attn_implementation == "sdpa"

@@ -108,6 +108,33 @@ def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
     return model
 
 
+# The name of transformers' SDPA attention under which transformers builds no mask (it builds masks
+# only for the attention functions it knows).
+CAUSAL_SDPA = "sft_causal_sdpa"
+
+
+def use_causal_sdpa(model: PreTrainedModel, packing: bool) -> bool:
+    """Rows of one sequence each (data.packing: false; pads come after the sequence and are never
+    supervised) need no attention mask: SDPA's causal kernel is the whole mask. transformers would
+    still look for packed sequences in position_ids, a check on the GPU's values that makes the host
+    wait for the GPU at every forward (about 20 ms a step on P-7B, and the host can no longer queue
+    a step ahead). Under another name transformers' own SDPA function runs without that check.
+    Only for sdpa and models whose every layer attends fully (a sliding window needs its mask);
+    return whether it did."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None)
+    full_attention = (all(kind == "full_attention" for kind in layer_types) if layer_types
+                      else getattr(config, "sliding_window", None) is None)
+    if packing or config._attn_implementation != "sdpa" or not full_attention:
+        return False
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    config._attn_implementation = CAUSAL_SDPA
+    return True
+
+
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
     """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
