@@ -77,16 +77,20 @@ def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(mo
 
     def loss_and_grads():
         model.zero_grad()
-        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).loss
+        loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=False).loss  # as training runs it (sft_loss): no KV cache
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-    before, grads_before = loss_and_grads()
-    assert use_causal_sdpa(model, packing=False) and model.config._attn_implementation == CAUSAL_SDPA
 
     def no_check(position_ids):
         raise AssertionError("transformers looked for packed sequences")
 
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", no_check)
+    with pytest.raises(AssertionError, match="looked for packed"):  # what sdpa does by itself
+        loss_and_grads()
+    monkeypatch.undo()
+    before, grads_before = loss_and_grads()
+    assert use_causal_sdpa(model, packing=False) and model.config._attn_implementation == CAUSAL_SDPA
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", no_check)
     after, grads_after = loss_and_grads()
     assert torch.equal(after, before)
