@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     # Model: built on meta, parallelized in the fixed order (sft/parallel/parallelize.py), then
     # materialised shard by shard, so no rank ever holds the full weights.
     model = rank0_first(lambda: build_meta_model(cfg.model))
-    use_causal_sdpa(model, cfg.data.packing)  # rows of one sequence: no mask, no wait for the GPU to build one
+    if use_causal_sdpa(model, cfg.data.packing):  # rows of one sequence: no mask, no wait for the GPU to build one
+        log0("attention: causal SDPA, no mask (rows of one sequence)")
     # MoE models: our routing, experts and load-balancing loss; None if dense (rank 0 first: one error)
     moe = rank0_first(lambda: apply_moe(model, cfg.moe))
     # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         log0(warning)  # before anything is allocated: this run may not fit
     ckpt.check_room(model, resume_from, total_steps)
     buffers = real_buffers(model)
-    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe)
+    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, cfg.lora.enabled)
     materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -129,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     def run_eval(step: int) -> float | None:
         if eval_batches is None:
             return None
+        metrics.pause()  # the next step's time starts after the eval
         loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env, dims)
         logger.log({"step": step, "eval_loss": loss})
         return loss
 
     def save(step: int, blocking: bool = True) -> Path | None:
+        metrics.pause()
         return ckpt.save(step, model, optimizer, scheduler, {
             "tokens_seen": metrics.tokens_seen, "global_batch": global_batch, "world_size": env.world_size,
             "first_eval_loss": first_eval}, blocking)
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
-        precompute_float8_scales(model, cfg.precision.float8)  # tensorwise: next step's float8 all-gather
+        precompute_float8_scales(model, cfg.precision.float8, cfg.lora.enabled)  # the next float8 all-gathers
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         ended.append(metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested))

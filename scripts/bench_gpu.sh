@@ -117,7 +117,7 @@ ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with th
     else  # shellcheck disable=SC2086
       python3 -m sft.plan --config "$config" --gpus "$NGPU" --gpu-mem "$gpu_gib" $overrides 2>/dev/null | grep "^this config"
     fi
-    [[ "$overrides" == *precision.float8=* ]] && float8_applied "$name"
+    [[ "$overrides" =~ precision.float8=(tensorwise|rowwise) ]] && float8_applied "$name"
     [ -f "runs/bench/$name/profile/summary.txt" ] && cp "runs/bench/$name/profile/summary.txt" "$LOGS/$name.profile.txt"
   done
   [ ${#runs[@]} -gt 0 ] && python3 scripts/bench_summary.py "${runs[@]}" --warmup "${WARMUP:-4}" | tee "runs/bench/$stage.md"

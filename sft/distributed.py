@@ -116,7 +116,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device` without making the host wait for the GPU: a plain copy from host memory
     to a GPU waits until the GPU has run everything queued before it (a whole step), a copy from
-    pinned memory is queued like a kernel."""
+    pinned memory is queued like a kernel. A `tensor` already pinned is copied from as it is: do not
+    change it afterwards (the copy may not have run yet)."""
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

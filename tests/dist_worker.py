@@ -192,7 +192,8 @@ def run(args: argparse.Namespace, env) -> dict:
         dims = ParallelDims(env.world_size, args.replicate, args.cp, args.ep, env.rank).build(env.device.type)
         parallelize(model, decoder_blocks(model), dims, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
                     FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, moe)
+                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, moe,
+                    lora=args.lora_rank > 0)
         reset_peak_rss()
         rss_before = peak_rss_gib()
         materialize(model, buffers, env.device)

@@ -396,9 +396,10 @@ FLOAT8_LORA_RUNS = [
     ("lora bf16", 2, [*LORA_BF16, "--grad-accum", "2"]),
     ("lora float8 tensorwise, 1 rank", 1, [*LORA_BF16, "--grad-accum", "4", "--float8", "tensorwise"]),
     ("lora float8 tensorwise, 2 ranks", 2, [*LORA_BF16, "--grad-accum", "2", "--float8", "tensorwise"]),
+] + ([  # before torch 2.13 the CPU's float8 matmul takes one scale per tensor only
     ("lora float8 rowwise, 2 ranks, half the blocks at op level", 2,
      [*LORA_BF16, "--grad-accum", "2", "--float8", "rowwise", "--ac-ratio", "0.5", "--ac-mode", "ops_half"]),
-]
+] if torch.__version__ >= "2.13" else [])
 
 
 @pytest.mark.slow

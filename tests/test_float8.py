@@ -62,6 +62,9 @@ try:
     load_config(sys.argv[1], ["precision.float8=tensorwise"])
 except ConfigError as e:
     print(e)
+load_config(sys.argv[1], ["precision.float8=tensorwise", "lora.rank=8"])  # LoRA's float8 matmul is ours
+precompute_float8_scales(model, "tensorwise", lora=True)  # and has no scales to precompute
+print("LoRA with float8 needs no torchao")
 """
 
 
@@ -74,6 +77,7 @@ def test_without_torchao_bf16_works_and_float8_names_the_extra(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "applied FSDP2" in proc.stdout and "float8 (" not in proc.stdout
     assert "precision.float8='tensorwise': needs torchao: pip install -e '.[fp8]'" in proc.stdout
+    assert "LoRA with float8 needs no torchao" in proc.stdout
 
 
 @pytest.mark.parametrize("device, capability, message", [
@@ -184,19 +188,22 @@ def test_lora_base_matmul_in_float8_is_the_round_trip_matmul_without_weight_grad
 
 def test_with_lora_only_the_adapted_layers_base_matmuls_turn_float8(capsys):
     """With LoRA, float8 marks the adapted layers (their frozen base matmuls run in float8) and
-    converts nothing else: the adapters stay bf16 Linears, and torchao is not needed."""
+    converts nothing else: the adapters and the frozen Linears without one stay bf16 Linears (the
+    log names them), and torchao is not needed."""
     from sft.config import LoRAConfig
-    from sft.models.float8 import apply_float8
+    from sft.models.float8 import apply_float8, frozen_float8_linear
     from sft.models.lora import LoRALinear, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     blocks = decoder_blocks(model)
     apply_lora(model, blocks, LoRAConfig(rank=4, target_modules=["q_proj", "up_proj"]), torch.bfloat16)
-    apply_float8(blocks, "rowwise")
-    adapted = {name: m.float8 for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    assert len(adapted) == 8 and set(adapted.values()) == {"rowwise"}
+    apply_float8(blocks, "rowwise", lora=True)
+    adapted = {name: m.base_matmul for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert len(adapted) == 8 and all(f.func is frozen_float8_linear and f.keywords == {"recipe": "rowwise"}
+                                     for f in adapted.values())
     assert {type(m) for name, m in model.named_modules() if name.endswith(("lora_A", "lora_B", "k_proj"))} == {nn.Linear}
-    assert "applied float8 (rowwise) to the frozen base matmuls of 8 linears in 4 blocks, skipped 0" in capsys.readouterr().out
+    assert ("applied float8 (rowwise) to the frozen base matmuls of 8 linears in 4 blocks, skipped 20: 20 with no "
+            "adapter (e.g. self_attn.k_proj)") in capsys.readouterr().out
 
 
 @pytest.mark.slow  # compiles the cast (inductor)

@@ -66,12 +66,14 @@ def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(mo
     other attention and sliding windows."""
     import transformers.masking_utils
 
+    from helpers import REPO
     from sft.config import ModelConfig
     from sft.models.build import CAUSAL_SDPA, build_meta_model, use_causal_sdpa
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    DEMO_MODEL = str(REPO / "configs" / "demo" / "model")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("configs/demo/model"), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL), attn_implementation="sdpa")
     batch = collate([{"input_ids": list(range(5, 5 + n)), "labels": list(range(5, 5 + n))} for n in (17, 9)],
                     pad_token_id=0, max_seq_len=64)
 
@@ -96,9 +98,9 @@ def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(mo
     assert torch.equal(after, before)
     assert all(torch.equal(a, b) for a, b in zip(grads_after, grads_before))
 
-    assert not use_causal_sdpa(build_meta_model(ModelConfig(name_or_path="configs/demo/model")), packing=True)
-    eager = build_meta_model(ModelConfig(name_or_path="configs/demo/model", attn_implementation="eager"))
+    assert not use_causal_sdpa(build_meta_model(ModelConfig(name_or_path=DEMO_MODEL)), packing=True)
+    eager = build_meta_model(ModelConfig(name_or_path=DEMO_MODEL, attn_implementation="eager"))
     assert not use_causal_sdpa(eager, packing=False)
-    sliding = build_meta_model(ModelConfig(name_or_path="configs/demo/model"))
+    sliding = build_meta_model(ModelConfig(name_or_path=DEMO_MODEL))
     sliding.config.layer_types = ["sliding_attention"] + sliding.config.layer_types[1:]
     assert not use_causal_sdpa(sliding, packing=False) and sliding.config._attn_implementation == "sdpa"

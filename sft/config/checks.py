@@ -159,7 +159,7 @@ def _float8_checks(cfg: Config, local_checks: bool) -> list[str]:
     """precision.float8 with the rest of the config (its GPU requirement is in check_machine)."""
     key = f"precision.float8={cfg.precision.float8!r}"
     problems = []
-    if local_checks and importlib.util.find_spec("torchao") is None:
+    if local_checks and not cfg.lora.enabled and importlib.util.find_spec("torchao") is None:  # LoRA's is ours
         problems.append(f"{key}: needs torchao: pip install -e '.[fp8]' (or set precision.float8=none)")
     if not cfg.compile.enabled:
         # Eager float8 runs each scale and cast as its own kernel: slower than plain bf16.

@@ -156,7 +156,8 @@ class PrecisionConfig:
     GPUs of compute capability >= 8.9 (H100, H200, L40S), with compile.enabled. tensorwise: one
     scale per tensor and float8 FSDP all-gathers, the fastest; rowwise: one scale per row, more
     accurate, slower. The lm_head and embeddings stay bf16; master weights, Adam moments and
-    checkpoints stay float32 with the same keys as without float8 (none <-> float8 resume works)."""
+    checkpoints stay float32 with the same keys as without float8 (none <-> float8 resume works).
+    With LoRA: the adapted layers' frozen base matmuls, in our own kernel (no torchao; docs/lora.md)."""
 
 
 @dataclass(frozen=True)

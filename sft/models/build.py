@@ -121,18 +121,23 @@ def use_causal_sdpa(model: PreTrainedModel, packing: bool) -> bool:
     a step ahead). Under another name transformers' own SDPA function runs without that check.
     Only for sdpa and models whose every layer attends fully (a sliding window needs its mask);
     return whether it did."""
-    config = model.config
-    layer_types = getattr(config, "layer_types", None)
-    full_attention = (all(kind == "full_attention" for kind in layer_types) if layer_types
-                      else getattr(config, "sliding_window", None) is None)
-    if packing or config._attn_implementation != "sdpa" or not full_attention:
+    if packing or model.config._attn_implementation != "sdpa" or not attends_fully(model):
         return False
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
-    config._attn_implementation = CAUSAL_SDPA
+    model.config._attn_implementation = CAUSAL_SDPA
     return True
+
+
+def attends_fully(model: PreTrainedModel) -> bool:
+    """Whether every layer of `model` attends to the whole (causal) row: no sliding window, no soft
+    cap of the attention logits. Masks, causal-only kernels and context parallelism rely on it."""
+    config = model.config.get_text_config()
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    return (layer_types == {"full_attention"} and not getattr(config, "sliding_window", None)
+            and not getattr(config, "attn_logit_softcapping", None))
 
 
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:

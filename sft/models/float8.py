@@ -26,6 +26,7 @@ needs it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import TYPE_CHECKING
 
@@ -60,17 +61,17 @@ def _skip_reason(linear: nn.Module) -> str | None:
     return None
 
 
-def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, compiled: bool = False) -> None:
+def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, compiled: bool = False,
+                 lora: bool = False) -> None:
     """Swap the blocks' nn.Linear layers for Float8Linear in place (on the meta model, before
     activation checkpointing, compile and fully_shard wrap them); Linears whose dimensions do not
     suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged. `compiled`: the
-    blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts). With LoRA,
-    the adapted layers' frozen base matmuls run in float8 instead (frozen_float8_linear).
+    blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts). With
+    `lora` (lora.rank > 0), the adapted layers' frozen base matmuls run in float8 instead
+    (frozen_float8_linear); frozen Linears without an adapter, and the adapters, stay bf16.
 
     `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
     CPU's float8 matmul is a reference kernel about 200x slower than torchao's emulation."""
-    from sft.models.lora import LoRALinear  # which imports this module
-
     skipped: dict[str, list[str]] = {}  # reason -> names of the Linears left in high precision
 
     def convert(linear: nn.Module, name: str) -> bool:
@@ -79,13 +80,19 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, co
             skipped.setdefault(reason, []).append(name)
         return reason is None
 
-    adapted = [(name, module) for block in blocks for name, module in block.named_modules()
-               if isinstance(module, LoRALinear)]
-    if adapted:
-        for name, layer in adapted:
-            layer.float8 = recipe if convert(layer, name) else None
+    if lora:
+        from sft.models.lora import LoRALinear
+
+        converted = 0
+        for block in blocks:
+            for name, module in block.named_modules():
+                if isinstance(module, LoRALinear):
+                    if convert(module, name):
+                        module.base_matmul = functools.partial(frozen_float8_linear, recipe=recipe)
+                        converted += 1
+                elif type(module) is nn.Linear and not name.endswith((".lora_A", ".lora_B")):
+                    skipped.setdefault("no adapter", []).append(name)
         what = "the frozen base matmuls of "
-        converted = sum(layer.float8 is not None for _, layer in adapted)
     else:
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
@@ -187,12 +194,13 @@ def fuse_weight_casts() -> None:
     Weight.fsdp_pre_all_gather = fsdp_pre_all_gather
 
 
-def precompute_float8_scales(model: nn.Module, recipe: str) -> None:
+def precompute_float8_scales(model: nn.Module, recipe: str, lora: bool = False) -> None:
     """Call after every optimizer.step(): with tensorwise scaling, compute the float8 scales of all
     sharded weights in one all-reduce, for the next step's float8 all-gathers (otherwise each
     all-gather computes its own: one small all-reduce per weight). Once called, it must follow
-    every step: the all-gathers keep using the last precomputed scale. No-op for other recipes."""
-    if recipe == "tensorwise":
+    every step: the all-gathers keep using the last precomputed scale. No-op for other recipes,
+    and with LoRA (`lora`: its frozen weights all-gather in bf16 and are cast in each matmul)."""
+    if recipe == "tensorwise" and not lora:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,6 @@ from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
-from sft.models.float8 import frozen_float8_linear
 from sft.models.build import clean_name
 
 
@@ -53,7 +53,9 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.float8: str | None = None  # precision.float8's recipe for the base matmul (sft/models/float8.py)
+        # x -> x W^T for the frozen base, when not F.linear's: precision.float8 sets its float8 matmul
+        # (sft/models/float8.py, which the planner, importing this module, does not need)
+        self.base_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -62,8 +64,8 @@ class LoRALinear(nn.Module):
             # (2 bytes a base parameter: QLoRA's saving gone); checkpointed, it keeps the NF4 data and
             # dequantises again there. Eager, torchao's NF4 linear already saves only the NF4 weight.
             weight = checkpoint(_dequantized, weight, x.dtype, use_reentrant=False)
-        if self.float8:
-            base = frozen_float8_linear(x, weight, self.float8)
+        if self.base_matmul is not None:
+            base = self.base_matmul(x, weight)
             base = base + self.bias if self.bias is not None else base
         else:
             base = F.linear(x, weight, self.bias)

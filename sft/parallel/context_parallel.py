@@ -40,6 +40,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from sft.config import ConfigError
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import log0
+from sft.models.build import attends_fully
 from sft.parallel.mesh import ParallelDims
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
@@ -129,9 +130,7 @@ def unsupported(model: PreTrainedModel, moe: bool) -> str | None:
     config = model.config.get_text_config()
     if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
         return "mixture-of-experts models are not supported yet"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if (layer_types != {"full_attention"} or getattr(config, "sliding_window", None)
-            or getattr(config, "attn_logit_softcapping", None)):
+    if not attends_fully(model):
         return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout is not supported (set the model's attention_dropout to 0)"

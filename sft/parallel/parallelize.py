@@ -38,17 +38,18 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
-                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None) -> None:
+                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: bool = False) -> None:
     """context parallelism -> expert parallelism -> float8 -> AC -> compile -> FSDP on a meta-device
     model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
     precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
-    its experts placed by expert parallelism and sharded by its placement)."""
+    its experts placed by expert parallelism and sharded by its placement); `lora`: adapters are on
+    (float8 then runs only the frozen base matmuls)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe=moe is not None)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
         apply_expert_parallel(moe, dims)
     if float8 != "none":
-        apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks)
+        apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks, lora=lora)
     blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset())
     if compile_blocks:
         apply_compile(blocks)

@@ -8,7 +8,7 @@ from torch import nn
 
 from sft.parallel.mesh import ParallelDims
 from sft.data.batches import MicroBatches
-from sft.distributed import DistEnv, all_reduce_sum
+from sft.distributed import DistEnv, all_reduce_sum, to_device
 from sft.training.loss import loss_inputs
 from sft.data.masking import IGNORE_INDEX
 
@@ -34,7 +34,7 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
             batch["labels"].fill_(IGNORE_INDEX)
         inputs = loss_inputs(batch, dims)
         tokens += len(inputs["target_ids"])
-        ce_sum += model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
+        ce_sum += model.sft_loss(**{k: to_device(v, env.device) for k, v in inputs.items()}).double()
     model.train()
     total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
     return total_ce / total_tokens

@@ -136,9 +136,16 @@ class StepMetrics:
             log0(f"metrics: no bf16 peak known for {torch.cuda.get_device_name(env.device)}; MFU is not reported")
         self.step_times: list[float] = []
         self._began: _Mark | None = None
+        self._last_end: _Mark | None = None
 
     def step_begins(self) -> None:
-        self._began = _Mark(self.env.device)
+        # A step's time runs from the end of the step before (the GPU may idle in between, waiting
+        # for the host: that counts), unless something else ran since (`pause`).
+        self._began = self._last_end or _Mark(self.env.device)
+
+    def pause(self) -> None:
+        """What runs until the next step begins (an eval, a save) is no step's time."""
+        self._last_end = None
 
     def step_ends(self, step: int, micro_batches: list[tuple[dict, int]], ce_sum: torch.Tensor,
                   supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> EndedStep:
@@ -160,8 +167,9 @@ class StepMetrics:
                             to_device(grad_norm.double().view(1), device), summed[4:]])
         if device.type == "cuda":
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
+        self._last_end = _Mark(device)
         # The allocator's numbers are the host's bookkeeping: this step's, now.
-        return EndedStep(step, lr, self._began, _Mark(device), values, self.allocator.step())
+        return EndedStep(step, lr, self._began, self._last_end, values, self.allocator.step())
 
     def read(self, ended: EndedStep) -> tuple[dict, bool]:
         """Return (the metrics.jsonl entry of a step that `step_ends` ended, whether any rank asked to
@@ -169,8 +177,7 @@ class StepMetrics:
         ended.ended.wait()
         values = ended.values
         ce_total, tokens, flops, stops, supervised, grad_norm = values[:6].tolist()
-        # The GPU's time from the step's start to its end: the host queues a step's start while the
-        # GPU still runs the step before, so it is reached when that one ends.
+        # The GPU's time from the step's start (the previous step's end, see step_begins) to its end.
         step_time = ended.ended.seconds_since(ended.began)
         tokens = round(tokens)
         self.step_times.append(step_time)
