@@ -260,6 +260,25 @@ def test_a_slow_stop_save_commits_and_asks_for_requeue(tmp_path, demo_data, how)
     assert not (run / "stopped").exists()  # running again
 
 
+def test_a_stop_requested_during_a_step_comes_after_the_next_one(tmp_path, demo_data):
+    """The loop reads a step's metrics, and the stop flag that rides with them, once the next step's
+    work is queued (train.py): a stop requested during step 3 stops the run after step 4, whose
+    checkpoint records step 4's tokens seen; every step is logged once, in order."""
+    run = tmp_path / "stopped"
+    proc = start_in_background(demo(demo_data, tmp_path, "stopped", "train.max_steps=1000"), nproc=None,
+                               env=with_test_hooks(SFT_TEST_STOP_REQUEST_AT=f"3:{run / 'stop-request'}"))
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
+    assert "stopping at step 4 on stop-request" in stdout
+    assert json.loads((run / "stopped").read_text())["step"] == 4
+    assert (run / "checkpoints" / "latest").read_text() == "step-4\n"
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [entry for entry in logged if "loss" in entry]
+    assert [entry["step"] for entry in steps] == [1, 2, 3, 4] and one_entry_per_step(run)
+    state = json.loads((run / "checkpoints" / "step-4" / "train_state.json").read_text())
+    assert state["tokens_seen"] == steps[-1]["tokens_seen"] > steps[-2]["tokens_seen"]
+
+
 def test_rank0_tokenising_longer_than_the_collective_timeout_still_starts(tmp_path, demo_data):
     """dist.timeout_minutes=0.15 (9 s) while rank 0 tokenises for 14 s: the other rank waits outside
     the collective timeout, and the run trains."""

@@ -2,6 +2,8 @@
 
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
 SFT_TEST_SLOW_STEP_S=N        every optimizer step (AdamW) first sleeps N seconds
+SFT_TEST_STOP_REQUEST_AT=N:F  the N-th optimizer step (AdamW) of the process first writes the file F
+                              (a run's stop request, written during a known step)
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
 SFT_TEST_SLOW_RENDEZVOUS_S=N  every torchrun worker sleeps N s before it joins the process group
 SFT_TEST_MARKS=DIR            the two above first write DIR/<what>.rank<r> (what: rendezvous, tokenising),
@@ -38,6 +40,21 @@ if os.environ.get("SFT_TEST_SLOW_STEP_S"):
         return _step(*args, **kwargs)
 
     torch.optim.AdamW.step = _slow_step
+
+if os.environ.get("SFT_TEST_STOP_REQUEST_AT"):
+    import torch
+
+    _steps, (_at, _stop_file) = [0], os.environ["SFT_TEST_STOP_REQUEST_AT"].split(":", 1)
+    _step_of_stop = torch.optim.AdamW.step
+
+    def _step_that_requests_a_stop(*args, **kwargs):
+        _steps[0] += 1
+        if _steps[0] == int(_at):
+            open(_stop_file, "w").close()
+        return _step_of_stop(*args, **kwargs)
+
+    torch.optim.AdamW.step = _step_that_requests_a_stop
+
 
 def _mark(what: str) -> None:
     if os.environ.get("SFT_TEST_MARKS"):
