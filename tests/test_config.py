@@ -188,3 +188,15 @@ def test_the_planner_does_not_need_the_data_files_or_optional_packages(tmp_path,
                                capsys)
     assert status == 0, err
     assert "this config (micro-batch" in out
+
+
+@pytest.mark.parametrize("path, local", [
+    ("Qwen/Qwen2.5-7B", False), ("gpt2", False), ("configs/demo", True), ("./m", True), ("/abs/m", True),
+    ("a/b/c", True), ("data.jsonl", True), ("org/not-here", False),
+])
+def test_a_path_is_local_by_its_form_or_because_the_directory_is_here(path, local):
+    """`configs/demo` has the form of a hub id ('org/name') but is a directory here: local, as
+    transformers reads it, so an exported adapter names its base by the absolute path."""
+    from sft.config import is_local_path
+
+    assert is_local_path(path) == local
