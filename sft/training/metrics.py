@@ -204,10 +204,12 @@ class _Mark:
     runs as it is issued)."""
 
     def __init__(self, device: torch.device):
-        self.event, self.time = None, time.perf_counter()
+        self.event, self.time = None, None
         if device.type == "cuda":
             self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
+        else:
+            self.time = time.perf_counter()
 
     def wait(self) -> None:
         if self.event is not None:
