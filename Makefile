@@ -40,7 +40,7 @@ demo: install demo-data
 	-$(PYTHON) -m sft.plot runs/demo
 	$(PYTHON) -m sft.chat runs/demo/export --prompt "Spell the word 'rocket'."
 
-# LoRA on the same data: adapters on a frozen base (random weights, written once), ~1 minute.
+# LoRA on the same data: adapters on a frozen base (random weights, written once), ~1.5 minutes.
 runs/demo_lora_base/config.json: | install
 	$(PYTHON) scripts/save_random_checkpoint.py configs/demo/model runs/demo_lora_base --dtype float32 --device cpu
 

@@ -42,7 +42,7 @@ from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 from sft.plan import apply_auto_plan, check_fits, gpu_memory_gib
 from sft.profiling import StepProfiler
-from sft.training.evaluate import evaluate
+from sft.training.evaluate import Evaluations
 from sft.training.loss import attach_sft_loss, forward_backward
 from sft.training.metrics import (EndedStep, MetricsLogger, StepMetrics, host_peak_rss_per_rank,
                                   seconds_since_process_start)
@@ -127,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
                             report=logger.message)
 
-    def run_eval(step: int) -> float | None:
-        if eval_batches is None:
-            return None
-        metrics.pause()  # the next step's time starts after the eval
-        loss = evaluate(model, eval_batches, cfg.train.micro_batch_size, env, dims)
-        logger.log({"step": step, "eval_loss": loss})
-        return loss
+    evals = Evaluations(model, eval_batches, cfg.train.micro_batch_size, cfg.eval.every_steps, total_steps, env,
+                        dims, metrics, logger)
 
     def save(step: int, blocking: bool = True) -> Path | None:
         metrics.pause()
@@ -152,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             asked |= stop_asked
         return asked
 
-    # A resumed run keeps the eval loss of the run's start (no extra full eval per resume).
-    first_eval = state["first_eval_loss"] if "first_eval_loss" in state else run_eval(start_step)
+    # Step 0's eval, or that of the step this run resumes at if it was never logged (a stop or a kill
+    # came first). A resumed run keeps the eval loss of the run's start.
+    at_start = evals.at(start_step)
+    first_eval = state["first_eval_loss"] if "first_eval_loss" in state else at_start
     step, stopped = start_step, False
+    stop.training_begins()
     for step in range(start_step + 1, total_steps + 1):
         metrics.step_begins()
         profiler.step_begins(step)
@@ -169,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         ended.append(metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested))
         save_now = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0 and step != total_steps
-        eval_now = bool(cfg.eval.every_steps) and step % cfg.eval.every_steps == 0 and step != total_steps
+        eval_now = evals.due(step) and step != total_steps  # the last step's: on the shutdown path
         # The host reads a step's metrics one step late, once the next step's work is queued: reading
         # them at once would leave the GPU idle while the host prepares the next step. A save (it
         # records the tokens seen), an eval and the last step read at once; so does a stop, which
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         if save_now:
             save(step, blocking=False)
         if eval_now:
-            run_eval(step)
+            evals.at(step)
 
     # The one shutdown path, for a finished run and for a stop on SIGTERM/SIGUSR1.
     # Every path saves synchronously, which first commits a background save still in flight.
@@ -199,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 else "without a checkpoint (checkpoint.enabled=false): nothing to resume from"))
         exit_code = REQUEUE_EXIT_CODE if saved else 1
     else:
-        last_eval = run_eval(total_steps)
+        last_eval = evals.at(total_steps)
         if last_eval is not None and first_eval is not None:
             log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
         final = save(total_steps) if start_step < total_steps else resume_from
@@ -212,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if env.is_main and not stopped:
         if cfg.checkpoint.export_hf:
             t0 = time.perf_counter()
-            export_hf(final, cfg.run_dir / "export", cfg.checkpoint.export_dtype)
+            export_hf(final, run.export_dir, cfg.checkpoint.export_dtype)
             log0(f"exported {'the LoRA adapter' if cfg.lora.enabled else 'a Hugging Face model'} to "
-                 f"{cfg.run_dir / 'export'} in {time.perf_counter() - t0:.1f} s")
+                 f"{run.export_dir} in {time.perf_counter() - t0:.1f} s")
         run.finish()
     return exit_code
 

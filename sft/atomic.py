@@ -75,12 +75,38 @@ def write_file(path: Path, data: str | bytes) -> None:
     commit(tmp, path)
 
 
+# Written first into a directory this module makes: the mark that it made it, so that a later
+# write may remove what an interrupted one left (and nothing else).
+PARTIAL = ".sft-partial"
+
+
+class PathInTheWay(OSError):
+    """The path a new directory is to take holds something this module did not write."""
+
+
 @contextlib.contextmanager
 def directory(final: Path) -> Iterator[Path]:
     """Yield `<final>.tmp` to write into; commit it as `final` only if the block succeeds, so an
-    interrupted write never leaves a complete-looking directory behind."""
+    interrupted write never leaves a complete-looking directory behind.
+
+    Nothing that was there before is removed or overwritten: `final` must not exist (or be an empty
+    directory), else PathInTheWay; a `<final>.tmp` is removed only when an interrupted write of
+    ours left it (it holds our mark), else PathInTheWay too. A failing block removes its `.tmp`."""
+    if final.is_dir() and any(final.iterdir()) or final.exists() and not final.is_dir():
+        raise PathInTheWay(f"{final} already exists" + (" and is not empty" if final.is_dir() else " (a file)"))
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists() or tmp.is_symlink():
+        if not (tmp.is_dir() and (tmp / PARTIAL).is_file()):
+            raise PathInTheWay(f"{tmp} already exists and was not left by an interrupted write of ours")
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    yield tmp
-    commit(tmp, final)
+    (tmp / PARTIAL).touch()
+    try:
+        yield tmp
+        (tmp / PARTIAL).unlink()
+        if final.is_dir():
+            final.rmdir()  # empty (checked above): the rename takes its place
+        commit(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

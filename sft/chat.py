@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -33,12 +34,21 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperatu
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def merge_adapter(model: torch.nn.Module, adapter_dir: Path) -> None:
-    """Fold a PEFT LoRA adapter (as sft.export writes it) into `model`: W += alpha / r * B A on each
-    adapted layer, and the modules trained in full replaced."""
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter as sft.export writes it: (adapter_config.json, its tensors by name); a
+    damaged file is one UserError, before the base is loaded."""
+    try:
+        return (json.loads((adapter_dir / "adapter_config.json").read_text()),
+                load_file(adapter_dir / "adapter_model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{adapter_dir}: the adapter cannot be read ({' '.join(str(e).split())}): export it again "
+                        "(python -m sft.export CHECKPOINT NEW_DIR)") from None
+
+
+def merge_adapter(model: torch.nn.Module, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Fold a PEFT LoRA adapter (`read_adapter`) into `model`: W += alpha / r * B A on each adapted
+    layer, and the modules trained in full replaced."""
     scaling = config["lora_alpha"] / config["r"]
-    tensors = load_file(adapter_dir / "adapter_model.safetensors")
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head by its own name too
     with torch.no_grad():
         for key, tensor in tensors.items():
@@ -68,9 +78,15 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if adapter.is_file():  # a LoRA adapter: its base, with the adapter merged in
-        model = AutoModelForCausalLM.from_pretrained(json.loads(adapter.read_text())["base_model_name_or_path"],
-                                                     dtype="auto")
-        merge_adapter(model, model_dir)
+        config, tensors = read_adapter(model_dir)
+        base = config["base_model_name_or_path"]
+        try:
+            model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+        except OSError as e:  # not there (moved, deleted, a hub id not in the cache offline)
+            raise UserError(f"{adapter}: its base_model_name_or_path {base!r} cannot be loaded "
+                            f"({' '.join(str(e).split())[:200]}); put the base model there, or write its new place "
+                            "into base_model_name_or_path") from None
+        merge_adapter(model, config, tensors)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
     model = model.to(device).train(False)

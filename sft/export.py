@@ -27,9 +27,10 @@ import yaml
 from safetensors.torch import save_file
 
 from sft import atomic
-from sft.checkpoint.layout import CONFIG, HF_FILES, CheckpointError, checkpoint_problem, content_problem
+from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointError, checkpoint_problem, content_problem,
+                                   read_train_state)
 from sft.config import DTYPES, ModelConfig, is_local_path
-from sft.errors import run_command
+from sft.errors import UserError, run_command
 from sft.models.build import build_meta_model, load_tokenizer
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.models.lora import adapter_delta, is_adapter
@@ -62,18 +63,27 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}
     lora = cfg.get("lora", {})
-    with atomic.directory(out_dir) as tmp:
-        if lora.get("rank", 0) and not merge:
-            write_adapter(checkpoint, lora, cfg["model"]["name_or_path"], model, tmp, DTYPES[dtype])
-        else:
-            tensors = _merged(checkpoint, lora, cfg, model, shapes) if lora.get("rank", 0) else _tensors(checkpoint, shapes)
-            # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
-            write_safetensors(to_hub_tensors(model.config.model_type, ((n, t.to(DTYPES[dtype])) for n, t in tensors)),
-                              tmp)
-            model.config.dtype = dtype
-            model.config.use_cache = True  # for inference
-            model.config.save_pretrained(tmp)
-        load_tokenizer(model_cfg).save_pretrained(tmp)
+    # A LoRA run's base as its checkpoint records it: a local one by its absolute path, as training
+    # found it (the export may run elsewhere); a checkpoint from before the record: the config's.
+    base = read_train_state(checkpoint / TRAIN_STATE).get("lora", {}).get("base", cfg["model"]["name_or_path"])
+    base = str(Path(base).resolve()) if is_local_path(base) else base
+    try:
+        with atomic.directory(out_dir) as tmp:
+            if lora.get("rank", 0) and not merge:
+                write_adapter(checkpoint, lora, base, model, tmp, DTYPES[dtype])
+            else:
+                tensors = _merged(checkpoint, lora, cfg, base, model, shapes) if lora.get("rank", 0) \
+                    else _tensors(checkpoint, shapes)
+                # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
+                write_safetensors(to_hub_tensors(model.config.model_type,
+                                                 ((n, t.to(DTYPES[dtype])) for n, t in tensors)), tmp)
+                model.config.dtype = dtype
+                model.config.use_cache = True  # for inference
+                model.config.save_pretrained(tmp)
+            load_tokenizer(model_cfg).save_pretrained(tmp)
+    except atomic.PathInTheWay as e:
+        raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
+                        "over an existing one)") from None
 
 
 def _adapter_shapes(checkpoint: Path) -> dict[str, torch.Size]:
@@ -103,17 +113,17 @@ def write_adapter(checkpoint: Path, lora: dict, base: str, model, out: Path, dty
         "target_modules": sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes if is_adapter(name)}),
         "modules_to_save": lora["modules_to_save"] or None,
         "ensure_weight_tying": tied,
-        # A local base by its absolute path, so that the adapter loads from anywhere.
-        "base_model_name_or_path": str(Path(base).resolve()) if is_local_path(base) else base,
+        "base_model_name_or_path": base,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _merged(checkpoint: Path, lora: dict, cfg: dict, model, shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """The base's tensors (from its own files, or its random init) with the adapters merged in and
-    the modules trained in full as trained: float32, one tensor at a time."""
+def _merged(checkpoint: Path, lora: dict, cfg: dict, base: str, model,
+            shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base's tensors (from its own files at `base`, or its random init) with the adapters merged
+    in and the modules trained in full as trained: float32, one tensor at a time."""
     trained = dict(_tensors(checkpoint, _adapter_shapes(checkpoint)))
-    base_cfg = ModelConfig(**{key: cfg["model"][key] for key in ("name_or_path", "init", "trust_remote_code")})
+    base_cfg = ModelConfig(name_or_path=base, init=cfg["model"]["init"], trust_remote_code=cfg["model"]["trust_remote_code"])
     base = initial_weights(base_cfg, cfg["train"]["seed"], model)
     scaling = lora["alpha"] / lora["rank"]
     for name in shapes:

@@ -7,16 +7,22 @@ metrics.jsonl. Needs matplotlib (pip install matplotlib); nothing else in sft im
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 
+from sft import atomic
+from sft.errors import UserError, run_command
 from sft.training.metrics import read_metrics
 
 
 def plot(run_dir: Path) -> Path:
+    """Write <run_dir>/curves.png (atomically, replacing the plot's own earlier one) and return its path."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir}: no metrics.jsonl there; give a run directory (<train.output_dir>/<train.run_name>)")
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("sft.plot needs matplotlib: pip install matplotlib") from None
+        raise UserError("sft.plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -37,15 +43,17 @@ def plot(run_dir: Path) -> Path:
     fig.suptitle(run_dir.name)
     fig.tight_layout()
     out = run_dir / "curves.png"
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    atomic.write_file(out, png.getvalue())
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
-    print(f"wrote {plot(parser.parse_args().run_dir)}")
+    print(f"wrote {plot(parser.parse_args(argv).run_dir)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -203,7 +203,7 @@ def test_workers_stop_when_their_launcher_is_killed(continuous, demo_data, tmp_p
         resumed_from = stopped["step"]
     else:
         errors = [line for line in stderr.splitlines() if line.startswith("error")]
-        assert len(errors) == 1 and "is gone, before training began" in errors[0], stderr[-3000:]
+        assert len(errors) == 1 and "is gone, before this launch's first training step" in errors[0], stderr[-3000:]
         assert "Traceback" not in stderr and not run.exists(), stderr[-3000:]
         resumed_from = 0
     assert not (tmp_path / ".orphaned.lock").exists() or not checkpointed  # a killed process leaves it; reused
@@ -356,3 +356,26 @@ def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
     assert f"loaded the prepared-model cache {cache}" in lora.stdout
     assert eval_losses(tmp_path / "lora")[0] == pytest.approx(initial[0], rel=1e-3)
     assert sorted(p.name for p in cache.iterdir()) == sorted(written)
+
+
+def test_every_eval_is_logged_once_across_a_stop_on_an_eval_step_and_a_kill_during_the_export(tmp_path, demo_data):
+    """A stop decided at step 4, an eval step (requested during step 3), loses no evaluation: the
+    relaunch evaluates step 4 first. The relaunch's export is killed (-9) half-written; the next
+    relaunch resumes at the final step, evaluates nothing again and exports, over what the kill
+    left. Evaluations at 0, 4 and 8, each once; the losses those of an uninterrupted run."""
+    run = tmp_path / "evals"
+    args = demo_args(demo_data, tmp_path, "evals", "train.max_steps=8", "eval.every_steps=4", "checkpoint.export_hf=true")
+    stopped = start_in_background(args, nproc=None,
+                                  env=with_test_hooks(SFT_TEST_STOP_REQUEST_AT=f"3:{run / 'stop-request'}"))
+    stdout, stderr = stopped.communicate(timeout=240)
+    assert stopped.returncode == REQUEUE_EXIT_CODE and "stopping at step 4" in stdout, stderr[-3000:]
+    killed = start_in_background(args, nproc=None, env=with_test_hooks(SFT_TEST_DIE_IN_EXPORT="1"))
+    stdout, stderr = killed.communicate(timeout=240)
+    assert killed.returncode == 9 and (run / "export.tmp").is_dir() and not (run / "export").exists(), stderr[-3000:]
+    run_torchrun(args, nproc=1)
+    assert (run / "export" / "config.json").is_file() and not (run / "export.tmp").exists()
+    evals = [(e["step"], e["eval_loss"]) for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in e]
+    assert [step for step, _ in evals] == [0, 4, 8] and one_entry_per_step(run)
+    run_demo(demo_data, tmp_path, "uninterrupted", "train.max_steps=8", "eval.every_steps=4")
+    assert eval_losses(run) == eval_losses(tmp_path / "uninterrupted")

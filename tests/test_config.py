@@ -54,6 +54,11 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     (["lora.rank=8", "lora.base=nf4", "fsdp.cpu_offload=true"], "lora.base='nf4': not with fsdp.cpu_offload=true"),
     (["lora.rank=8", "lora.base=nf4", "model.prepared_cache=/tmp/cache"], "lora.base='nf4': not with model.prepared_cache"),
     (["lora.rank=8", "lora.base=nf8"], "lora.base"),
+    ("lora.base=nf4", "lora.base='nf4': the frozen base of LoRA, and lora.rank=0 trains every parameter (full "
+                      "fine-tuning); set lora.rank > 0 for QLoRA"),
+    ("plan.allow_lean_state=true", "plan.allow_lean_state=True: lets plan.auto choose bfloat16 optimizer state, and "
+                                   "does nothing without it: set plan.auto=true"),
+    ("moe.ep_degree=0", "moe.ep_degree=0: must be >= 1 (1 = no expert parallelism)"),
     (["optim.master_dtype=bfloat16"], "bfloat16 master weights need fsdp.param_dtype=bfloat16 and "
                                       "fsdp.reduce_dtype=bfloat16"),
     (["optim.master_dtype=bfloat16", "fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16",
@@ -146,6 +151,18 @@ def test_a_missing_model_directory_names_its_key(key, value):
     assert str(err.value).startswith(f"model.{key}='{value}': no such directory; give an existing model directory")
 
 
+def test_the_lora_demo_before_its_base_is_written_says_how_to_write_it(monkeypatch, tmp_path):
+    """configs/demo_lora.yaml run directly, before `make demo-lora` wrote its base: not a hub error."""
+    from sft.config import ModelConfig
+    from sft.models.build import ModelError, load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    name = yaml.safe_load((REPO / "configs" / "demo_lora.yaml").read_text())["model"]["name_or_path"]
+    with pytest.raises(ModelError) as err:
+        load_tokenizer(ModelConfig(name_or_path=name))
+    assert str(err.value) == "model.name_or_path='./runs/demo_lora_base': no such directory; `make demo-lora` writes it"
+
+
 # Each `python -m sft.<tool>`: bad input is one line naming the problem, exit status 2, no traceback.
 CLI_ERRORS = {
     "config": ("sft.config.__main__", ["no/such.yaml"], "error: config file no/such.yaml not found"),
@@ -159,6 +176,56 @@ CLI_ERRORS = {
     "config, an override that is not YAML": ("sft.config.__main__", ["configs/demo.yaml", "data.chat_template_kwargs={a: 1"],
                                              "the value is not valid YAML"),
 }
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    """Exported LoRA adapters gone wrong: one whose base was moved away, and one each whose
+    adapter_model.safetensors is truncated, garbage or empty (onto a real base)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from helpers import model_dir
+    from sft.config import ModelConfig
+    from sft.models.hub import write_safetensors
+    from sft.models.weights import RandomWeights
+
+    tmp = tmp_path_factory.mktemp("adapters")
+    base = model_dir(tmp)
+    weights = RandomWeights(ModelConfig(name_or_path=str(base), init="random"), 0)
+    write_safetensors(((n, weights.read(n, (), torch.device("cpu"))) for n, _ in weights.reference.named_parameters()),
+                      base)
+    adapters = {}
+    for case, base_path in (("moved base", tmp / "moved"), ("truncated", base), ("garbage", base), ("empty", base)):
+        out = adapters[case] = tmp / case.replace(" ", "_")
+        out.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            (out / name).write_bytes((base / name).read_bytes())
+        (out / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "base_model_name_or_path":
+                                                             str(base_path)}))
+        a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        save_file({a: torch.zeros(2, 64), a.replace("lora_A", "lora_B"): torch.zeros(64, 2)},
+                  out / "adapter_model.safetensors")
+        data = (out / "adapter_model.safetensors").read_bytes()
+        (out / "adapter_model.safetensors").write_bytes({"moved base": data, "truncated": data[:-50],
+                                                         "garbage": bytes(range(256)) * 2, "empty": b""}[case])
+    return adapters
+
+
+@pytest.mark.parametrize("case, message", [
+    ("moved base", "adapter_config.json: its base_model_name_or_path '{tmp}/moved' cannot be loaded ("),
+    ("truncated", "{tmp}/truncated: the adapter cannot be read ("),
+    ("garbage", "{tmp}/garbage: the adapter cannot be read ("),
+    ("empty", "{tmp}/empty: the adapter cannot be read (Error while deserializing header: header too small)"),
+])
+def test_chat_on_a_broken_adapter_is_one_line(adapters, case, message, capsys):
+    from sft.chat import main
+
+    status, _, err = run_cli(main, [str(adapters[case]), "--prompt", "hi"], capsys)
+    assert status == 2 and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err, err
+    assert message.format(tmp=adapters[case].parent) in err
 
 
 @pytest.mark.parametrize("tool", CLI_ERRORS)

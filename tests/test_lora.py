@@ -193,3 +193,50 @@ def test_an_nf4_layer_keeps_no_bf16_weight_for_its_backward(compiled):
     dense = [tuple(t.shape) for t in saved if type(t) is torch.Tensor and t.numel() >= 1024 * 512]
     assert dense == [], dense
     assert x.grad is not None and layer.lora_A.weight.grad is not None and layer.weight.grad is None
+
+
+@pytest.mark.slow
+def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous, demo_data, tmp_path, monkeypatch,
+                                                                      capsys):
+    """Each checkpoint records the base it was trained on (its absolute path, a fingerprint of its
+    weights) and the adapters' rank and alpha. Another base (the same files with other weights) or
+    another lora.alpha is one line naming both and the override; the override resumes, with a word."""
+    step4 = continuous / "continuous" / "checkpoints" / "step-4"
+    recorded = json.loads((step4 / "train_state.json").read_text())["lora"]
+    assert recorded["base"] == str(continuous / "base") and recorded["weights"].startswith("sha256:")
+    assert (recorded["rank"], recorded["alpha"]) == (16, 32.0)
+    other = tmp_path / "base"
+    subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo/model", str(other),
+                    "--dtype", "float32", "--device", "cpu", "--seed", "1"], cwd=REPO, check=True, capture_output=True)
+    cases = {
+        "another base": ([f"model.name_or_path={other}"],
+                         f"base {continuous / 'base'} ({recorded['weights']}) -> {other} (sha256:"),
+        "another alpha": (["lora.alpha=8"], "lora.alpha 32.0 -> 8.0): resume with the base and lora.alpha it was "
+                                            "trained with, start fresh with checkpoint.resume=none, or set "
+                                            "lora.allow_resume_change=true"),
+        "another rank": (["lora.rank=8"], "holds adapters of lora.rank=16 on lora.target_modules=['all-linear'], this "
+                                          "run asks for lora.rank=8 on ['all-linear']: set them as the checkpoint has"),
+    }
+    for case, (overrides, said) in cases.items():
+        proc = run_demo(demo_data, tmp_path, case.replace(" ", "_"), f"model.name_or_path={continuous / 'base'}",
+                        f"checkpoint.resume={step4}", "train.max_steps=6", *overrides, nproc=2, config=CONFIG,
+                        check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert proc.returncode != 0 and len(errors) == 1 and said in errors[0], (case, proc.stderr[-3000:])
+        assert 'train.py", line' not in proc.stderr  # no traceback through train.py (torchrun's own says it failed)
+    proc = run_demo(demo_data, tmp_path, "allowed", f"model.name_or_path={other}", f"checkpoint.resume={step4}",
+                    "train.max_steps=5", "lora.allow_resume_change=true", "eval.every_steps=0", nproc=1, config=CONFIG)
+    assert f"warning: resuming {step4} with base {continuous / 'base'}" in proc.stdout
+    # The export names its base absolutely, from any directory; --merge works from there too.
+    from sft.export import main as export
+
+    saved = tmp_path / "allowed" / "checkpoints" / "step-5"
+    assert json.loads((saved / "train_state.json").read_text())["lora"]["base"] == str(other)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for argv in ([str(saved), "adapter"], [str(saved), "merged", "--merge"]):
+        status, _, err = run_cli(export, argv, capsys)
+        assert status == 0, err
+    assert json.loads((elsewhere / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(other)
+    assert (elsewhere / "merged" / "config.json").is_file()

@@ -428,7 +428,7 @@ def test_qwen72b_qlora_plans_one_80gb_gpu_offline(at_repo, capsys):
                            "lora.base=bfloat16")
     assert status == 0 and "this config (micro-batch 1, ac.ratio 1): 88.6 GiB per GPU predicted — fits" in out
     status, out = plan_cli(capsys, "--config", "configs/qwen72b_qlora.yaml", "--gpus", "1", "--gpu-mem", "80",
-                           "lora.rank=0")
+                           "lora.rank=0", "lora.base=bfloat16")  # lora.base=nf4 alone is refused without LoRA
     assert status == 1 and "nothing fits 80 GiB per GPU on 1 GPUs" in out
 
 
@@ -465,7 +465,7 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_ep_and_lean_state(tmp
     data = tmp_path / "d.jsonl"
     data.touch()
     cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen3-30b-a3b",
-                                                      f"plan.allow_lean_state={str(allow_lean).lower()}"])
+                                                      "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}"])
     if not allow_lean:
         with pytest.raises(ConfigError, match="nothing fits"):
             apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)

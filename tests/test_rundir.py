@@ -129,8 +129,8 @@ def test_resuming_into_another_architecture_is_one_clear_error(finished, demo_da
 
     other = model_dir(tmp_path, tied=True, num_hidden_layers=3)
     proc = run_demo(demo_data, tmp_path, "other", f"model.name_or_path={other}",
-                    f"checkpoint.resume={finished / 'done' / 'checkpoints' / 'step-2'}", check=False)
-    error = one_clear_error(proc)
+                    f"checkpoint.resume={finished / 'done' / 'checkpoints' / 'step-2'}", nproc=2, check=False)
+    error = one_clear_error(proc)  # once, from rank 0
     assert "was written for another model" in error and "checkpoint.resume=none" in error
 
 
@@ -237,6 +237,9 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
         "not UTF-8": ([data("latin1.jsonl")], "line 4 is not UTF-8 text (byte 0xe9 at column 47)"),
         "a JSON file not in UTF-8": ([data("latin1.json")], "line 1 is not UTF-8 text (byte 0xe9 at column 48)"),
         "an override that is not YAML": (["data.chat_template_kwargs={a: 1"], "the value is not valid YAML"),
+        "nf4 without LoRA": (["lora.base=nf4"], "lora.base='nf4': the frozen base of LoRA, and lora.rank=0 trains"),
+        "no expert parallelism of 0": (["moe.ep_degree=0"], "moe.ep_degree=0: must be >= 1"),
+        "lean state without plan.auto": (["plan.allow_lean_state=true"], "plan.allow_lean_state=True: lets plan.auto"),
         "attention with a typo": (["model.attn_implementation=sdap"], "model.attn_implementation='sdap': not an "
                                                                       "attention implementation transformers knows"),
         "flash attention without its package": (["model.attn_implementation=flash_attention_2"],

@@ -34,7 +34,7 @@ from sft.checkpoint.staging import HostStaging, tensors_of
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
 from sft.models.lora import checkpointed_parameters, is_adapter
-from sft.models.weights import initial_weights, initialise_adapters, load_weights
+from sft.models.weights import base_identity, initial_weights, initialise_adapters, load_weights
 from sft.training.optim import state_bytes
 
 
@@ -68,6 +68,33 @@ def _shape_mismatches(path: Path, state: dict) -> list[str]:
     ours = {name: tuple(tensor.shape) for name, tensor in state["model"].items()}
     return [f"{name}: {ours.get(name, 'absent')} here, {saved.get(name, 'absent')} in the checkpoint"
             for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]
+
+
+def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: bool) -> None:
+    """Refuse (CheckpointError) to resume the LoRA checkpoint `path`, whose train state records
+    `saved`, onto a base or a scale (`ours`) other than those its adapters were trained with, unless
+    `allowed`; or with adapters of another shape, which cannot load. A checkpoint from before the
+    record existed is taken as it is."""
+    if saved is None:
+        return
+    shape = ("rank", "target_modules")
+    if any(saved[key] != ours[key] for key in shape):
+        raise CheckpointError(
+            f"{path} holds adapters of lora.rank={saved['rank']} on lora.target_modules={saved['target_modules']}, "
+            f"this run asks for lora.rank={ours['rank']} on {ours['target_modules']}: set them as the checkpoint "
+            "has, or start fresh with checkpoint.resume=none")
+    changed = []
+    if saved["weights"] != ours["weights"]:
+        changed.append(f"base {saved['base']} ({saved['weights']}) -> {ours['base']} ({ours['weights']})")
+    if saved["alpha"] != ours["alpha"]:
+        changed.append(f"lora.alpha {saved['alpha']} -> {ours['alpha']}")
+    if changed and not allowed:
+        raise CheckpointError(
+            f"{path} was trained on another base or scale than this run's ({'; '.join(changed)}): resume with the "
+            "base and lora.alpha it was trained with, start fresh with checkpoint.resume=none, or set "
+            "lora.allow_resume_change=true to train these adapters on this base anyway")
+    if changed:
+        log0(f"warning: resuming {path} with {'; '.join(changed)} (lora.allow_resume_change=true)")
 
 
 def _size(nbytes: float) -> str:
@@ -104,6 +131,7 @@ class Checkpointer:
         self._staging = HostStaging()
         self._staging_job: Future | None = None  # the writer thread making or pinning host buffers
         self.skipped: set[Path] = set()  # damaged checkpoints resume_point passed over
+        self._lora_record: dict | None = None  # what this LoRA run's adapters are fitted to (rank 0)
 
     def resume_point(self, auto: bool) -> Path | None:
         """Collective: the checkpoint to resume from (`checkpoint.resume`: auto, none or a path),
@@ -174,6 +202,8 @@ class Checkpointer:
         over a base read again from its own source."""
         fresh = {"step": 0, "tokens_seen": 0}
         loaded = None if resume_from is not None and not self.cfg.lora.enabled else self._model_weights(model)
+        if self.cfg.lora.enabled:  # read now, while the base is surely where it was loaded from
+            decided_on_rank0(lambda: self.lora_record(model))
         if resume_from is None:
             return fresh, loaded
         state = self._load(resume_from, model, optimizer, scheduler)
@@ -217,11 +247,17 @@ class Checkpointer:
     def _load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
               scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
         state = self._training_state(model, optimizer)
-        wrong = decided_on_rank0(lambda: _shape_mismatches(path, state))
-        if wrong:
-            raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
-                                  f"{wrong[0]}); resume with the model it was trained from, or set "
-                                  "checkpoint.resume=none")
+
+        def check() -> None:  # rank 0, said once
+            if self.cfg.lora.enabled:
+                lora_change_problem(path, read_train_state(path / TRAIN_STATE).get("lora"),
+                                    self.lora_record(model), self.cfg.lora.allow_resume_change)
+            wrong = _shape_mismatches(path, state)
+            if wrong:
+                raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
+                                      f"{wrong[0]}); resume with the model it was trained from, or set "
+                                      "checkpoint.resume=none")
+        decided_on_rank0(check)
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self.cfg.lora.enabled))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -270,6 +306,8 @@ class Checkpointer:
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / SCHEDULER)
                 (tmp / CONFIG).write_text(to_yaml(self.cfg))
+                if self.cfg.lora.enabled:
+                    train_state = {**train_state, "lora": self.lora_record(model)}
                 (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "digests": True}, indent=2))
                 model.config.save_pretrained(tmp / HF_FILES)
                 self.tokenizer.save_pretrained(tmp / HF_FILES)
@@ -283,6 +321,15 @@ class Checkpointer:
         log0(f"saved {final} in {time.perf_counter() - t0:.1f} s" + (" (training blocked; writing on)" if in_background
                                                                      else ""))
         return final
+
+    def lora_record(self, model: nn.Module) -> dict:
+        """Rank 0: what this LoRA run's adapters are fitted to, as its checkpoints record it: the
+        base (where it comes from, a fingerprint of its weights) and the adapters' shape and scale."""
+        if self._lora_record is None:
+            lora = self.cfg.lora
+            self._lora_record = {**base_identity(self.cfg.model, self.cfg.train.seed, model), "rank": lora.rank,
+                                 "alpha": lora.alpha, "target_modules": lora.target_modules}
+        return self._lora_record
 
     def prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
         """Collective, once after the first step (when Adam's moments exist): with periodic

@@ -71,7 +71,11 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its state "
           "is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
           "optim.state_dtype=float32")
-    check(cfg.moe.ep_degree == 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and not cfg.lora.enabled),
+    check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
+    check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
+          "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
+          "optim.state_dtype / optim.master_dtype yourself")
+    check(cfg.moe.ep_degree <= 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and not cfg.lora.enabled),
           "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
           "fsdp.replicate_degree > 1 or LoRA yet; set moe.ep_degree=1")
     check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
@@ -131,6 +135,9 @@ def _lora_checks(cfg: Config, local_checks: bool) -> list[str]:
     if lora.rank < 0:
         problems.append(f"lora.rank={lora.rank}: must be >= 0 (0 = full fine-tuning)")
     if not lora.enabled:
+        if lora.base != "bfloat16":
+            problems.append(f"lora.base={lora.base!r}: the frozen base of LoRA, and lora.rank=0 trains every parameter "
+                            "(full fine-tuning); set lora.rank > 0 for QLoRA, or remove lora.base")
         return problems
     if lora.alpha <= 0:
         problems.append(f"lora.alpha={lora.alpha}: must be > 0")

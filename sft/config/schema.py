@@ -225,6 +225,10 @@ class LoRAConfig:
     """The frozen base's storage: the compute dtype (fsdp.param_dtype), or nf4 (QLoRA: the adapted
     layers' weights in 4-bit NormalFloat with double-quantised scales, torchao; each rank reads them
     one at a time and keeps all of them, 0.52 bytes a parameter, unsharded; the rest stays bf16)."""
+    allow_resume_change: bool = False
+    """Resume a LoRA checkpoint although the base's weights or lora.alpha differ from those its
+    adapters were trained with (each checkpoint records them). Off, such a resume is refused: the
+    adapters were fitted to that base at that scale."""
 
     @property
     def enabled(self) -> bool:

@@ -36,18 +36,23 @@ def clean_name(name: str) -> str:
     return name.replace(_AC_WRAPPER_PREFIX, "")
 
 
-def _missing_local_dir(key: str, path: str) -> ModelError | None:
+# Local models that a make target writes (the LoRA demo's base): a missing one says how to make it.
+MADE_BY = {"runs/demo_lora_base": "make demo-lora"}
+
+
+def missing_local_dir(key: str, path: str) -> ModelError | None:
     """A clear error for a path that names a local directory that is not there (a hub id is
     'org/name'; anything else with a slash, or starting with . / ~, is a path)."""
     if is_local_path(path) and not Path(path).expanduser().is_dir():
-        return ModelError(f"{key}={path!r}: no such directory; give an existing model directory or a hub id "
-                          "(e.g. Qwen/Qwen2.5-7B-Instruct)")
+        made_by = MADE_BY.get(Path(path).as_posix())
+        return ModelError(f"{key}={path!r}: no such directory; " + (f"`{made_by}` writes it" if made_by else
+                          "give an existing model directory or a hub id (e.g. Qwen/Qwen2.5-7B-Instruct)"))
     return None
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     key, source = ("model.tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model.name_or_path", cfg.name_or_path)
-    missing = _missing_local_dir(key, source)
+    missing = missing_local_dir(key, source)
     if missing:
         raise missing
     try:
@@ -77,7 +82,7 @@ def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> No
 
 def _model_config(cfg: ModelConfig) -> PretrainedConfig:
     """model.name_or_path's config.json, or one line naming what to fix."""
-    missing = _missing_local_dir("model.name_or_path", cfg.name_or_path)
+    missing = missing_local_dir("model.name_or_path", cfg.name_or_path)
     if missing:
         raise missing
     try:

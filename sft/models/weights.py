@@ -12,6 +12,7 @@ holds a full copy of the weights.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import zlib
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
-from sft.models.build import ModelError, build_meta_model, clean_name
+from sft.models.build import ModelError, build_meta_model, clean_name, missing_local_dir
 from sft.models.lora import initial_adapter, is_adapter, is_nf4, quantized
 
 
@@ -35,6 +36,8 @@ class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
     def __init__(self, directory: str, model: nn.Module, seed: int = 0):
+        if missing := missing_local_dir("model.name_or_path", directory):
+            raise missing
         root = Path(directory)
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
@@ -55,6 +58,26 @@ class SafetensorsWeights:
         self.model_type = model.config.model_type
         self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter(n)}
         self.seed = seed  # for what the files do not hold: LoRA adapters
+
+    def digest(self) -> str:
+        """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
+        tensors' names, dtypes, shapes and offsets) and 128 bytes from the middle of each tensor.
+        Weights trained or replaced differ there in every tensor that changed; a copy or a move of
+        the same files does not change it."""
+        sha = hashlib.sha256()
+        for file in sorted(set(self.weight_map.values())):
+            path = self.root / file
+            sha.update(f"{file}:{path.stat().st_size}:".encode())
+            with path.open("rb") as f:
+                header = f.read(int.from_bytes(f.read(8), "little"))
+                sha.update(header)
+                data = f.tell()
+                for name, info in sorted(json.loads(header).items()):
+                    if name != "__metadata__":
+                        begin, end = info["data_offsets"]
+                        f.seek(data + (begin + end) // 2)
+                        sha.update(f.read(min(128, end - (begin + end) // 2)))
+        return "sha256:" + sha.hexdigest()[:32]
 
     def _damaged(self, file: str, reason: str) -> ModelError:
         return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
@@ -179,3 +202,14 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
             weights.check()
         return weights
     return rank0_first(opened)
+
+
+def base_identity(cfg: ModelConfig, seed: int, model: nn.Module) -> dict[str, str]:
+    """What a LoRA run's frozen base is, as its checkpoints record it: `base`, where it comes from
+    (a local directory by its absolute path, so that an export names it from anywhere, or a hub id),
+    and `weights`, a fingerprint that changes when the weights do (or the seed of a random init)."""
+    path = Path(cfg.name_or_path).expanduser()
+    base = str(path.resolve()) if path.is_dir() else cfg.name_or_path
+    if cfg.init != "pretrained":
+        return {"base": base, "weights": f"random init, train.seed={seed}"}
+    return {"base": base, "weights": SafetensorsWeights(cfg.name_or_path, model, seed).digest()}

@@ -1,16 +1,48 @@
-"""Held-out loss: the same token-weighted cross-entropy as training, over the whole eval split."""
+"""Held-out loss: the same token-weighted cross-entropy as training, over the whole eval split,
+at the steps a run evaluates (each logged once)."""
 
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 
-from sft.parallel.mesh import ParallelDims
 from sft.data.batches import MicroBatches
-from sft.distributed import DistEnv, all_reduce_sum, to_device
-from sft.training.loss import loss_inputs
 from sft.data.masking import IGNORE_INDEX
+from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, to_device
+from sft.parallel.mesh import ParallelDims
+from sft.training.loss import loss_inputs
+from sft.training.metrics import MetricsLogger, StepMetrics
+
+
+class Evaluations:
+    """A run's held-out evaluations: before training (step 0), every eval.every_steps, and after the
+    last step, each in metrics.jsonl exactly once whatever stops, kills and relaunches come between.
+    A run that resumes at a step whose evaluation metrics.jsonl lacks (a stop was decided at that
+    step, or a kill came between its checkpoint and its evaluation) evaluates it first; one already
+    logged (a relaunch after a kill during the export) is not run again."""
+
+    def __init__(self, model: nn.Module, batches: MicroBatches | None, micro_batch_size: int, every_steps: int,
+                 total_steps: int, env: DistEnv, dims: ParallelDims, metrics: StepMetrics, logger: MetricsLogger):
+        self.model, self.batches, self.micro_batch_size, self.env, self.dims = model, batches, micro_batch_size, env, dims
+        self.every_steps, self.total_steps, self.metrics, self.logger = every_steps, total_steps, metrics, logger
+        self.losses: dict[int, float] = decided_on_rank0(lambda: dict(logger.evaluations))  # step -> eval loss
+
+    def due(self, step: int) -> bool:
+        """Whether the run evaluates after `step` (0: before training)."""
+        return self.batches is not None and (step in (0, self.total_steps) or
+                                             bool(self.every_steps) and step % self.every_steps == 0)
+
+    def at(self, step: int) -> float | None:
+        """The eval loss after `step` if the run evaluates there (computed and logged once), else None."""
+        if not self.due(step):
+            return None
+        if step not in self.losses:
+            self.metrics.pause()  # the next step's time starts after the eval
+            self.losses[step] = evaluate(self.model, self.batches, self.micro_batch_size, self.env, self.dims)
+            self.logger.log({"step": step, "eval_loss": self.losses[step]})
+        return self.losses[step]
 
 
 @torch.no_grad()

@@ -248,12 +248,16 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, run_name: str, config: dict, total_steps: int,
                  start_step: int, enabled: bool):
         self.enabled, self.cfg, self.total_steps = enabled, cfg, total_steps
+        self.evaluations: dict[int, float] = {}  # step -> eval loss, as logged by the run so far
         if not enabled:
             return
         path = run_dir / "metrics.jsonl"
         if start_step and path.exists():
-            atomic.write_file(path, "".join(line for line in path.read_text().splitlines(keepends=True)
-                                            if (step := _step_of(line)) is not None and step <= start_step))
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if (step := _step_of(line)) is not None and step <= start_step]
+            atomic.write_file(path, "".join(kept))
+            self.evaluations = {entry["step"]: entry["eval_loss"] for entry in map(json.loads, kept)
+                                if "eval_loss" in entry}
         self.jsonl = open(path, "a" if start_step else "w")
         self.bar = None
         if cfg.progress == "bar" or (cfg.progress == "auto" and sys.stdout.isatty()):

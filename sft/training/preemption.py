@@ -18,7 +18,7 @@ process group, a supervisor, Ctrl-\\ in a terminal) takes no worker with it: the
 on training, saving and holding the run's lock, and a rerun would be refused. A worker therefore
 watches its parent, the torchrun that started it, in two ways:
 
-* until the training loop first asks whether to stop, a watcher thread ends the worker within a
+* until the training loop begins (`training_begins`), a watcher thread ends the worker within a
   second of the launcher's death, with one line. Nothing has been trained yet, and a worker may be
   waiting for the dead launcher's store (the rendezvous: 30 minutes of retries before it would
   fail, holding its GPU) or for another worker that the same watcher just ended;
@@ -83,9 +83,9 @@ class StopRequest:
             if self._training.wait(WATCH_INTERVAL_S):
                 return
         if int(os.environ.get("RANK", "0")) == 0:  # every worker sees it; one line says it
-            print(f"error: the torchrun that started this run (pid {_LAUNCHER}) is gone, before training began: "
-                  "its workers stop; nothing was trained since the last checkpoint, and the same command resumes "
-                  "from it", file=sys.stderr, flush=True)
+            print(f"error: the torchrun that started this run (pid {_LAUNCHER}) is gone, before this launch's first "
+                  "training step: its workers stop; the same command resumes from the run's last checkpoint, if any",
+                  file=sys.stderr, flush=True)
         # Every worker sees the death within one interval. Each falls silent now and exits only once
         # all have: a worker that exited sooner would fail the others' collectives, with tracebacks.
         # os._exit: the main thread may be blocked on the dead launcher's store.
@@ -94,6 +94,10 @@ class StopRequest:
         os.dup2(silent, 2)
         time.sleep(3 * WATCH_INTERVAL_S)
         os._exit(1)
+
+    def training_begins(self) -> None:
+        """From the first step on, the loop handles a dead launcher: a stop with a checkpoint."""
+        self._training.set()
 
     @property
     def requested(self) -> bool:

@@ -18,9 +18,10 @@ state that only a run which has proven it can start may change.
   `start()` and deletes them only when the new run finishes, so a rerun that fails midway never
   costs the previous result, however often it is relaunched, resumed or restarted before it
   finishes. Resuming from one of the run's own checkpoints (to train further) continues the run
-  instead: nothing is moved.
+  instead: nothing is moved but its export (below).
 * Checkpoints later than the step a run starts from (`checkpoint.resume=none`, or an older
-  checkpoint) belong to a line of training this run replaces: they go to `<run>/set-aside/`,
+  checkpoint) belong to a line of training this run replaces: they go to `<run>/set-aside/` (and
+  so does the export of a finished run trained further, which this run's export will replace),
   never over `overwritten/` or each other, and are deleted when the run finishes too. Damaged
   checkpoints that the resume skipped go to `<run>/damaged/`, kept for inspection (a disk that
   corrupts files is worth a look) and never retried: only the user deletes them.
@@ -44,11 +45,12 @@ from sft.distributed import DistEnv, decided_on_rank0, log0
 from sft.training.preemption import STOPPED_MARKER
 
 FINISHED = "finished"
+EXPORT = "export"  # checkpoint.export_hf: the Hugging Face export of the final checkpoint
 OVERWRITTEN = "overwritten"
 SET_ASIDE = "set-aside"
 DAMAGED = "damaged"
 # What a run writes at its top level (besides the checkpoints): moved aside together on overwrite.
-_RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "export", "tb", "profile", "curves.png", FINISHED,
+_RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", EXPORT, "tb", "profile", "curves.png", FINISHED,
               STOPPED_MARKER)
 
 
@@ -61,6 +63,10 @@ class RunDirectory:
     @property
     def lock_path(self) -> Path:
         return self.path.parent / f".{self.path.name}.lock"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.path / EXPORT
 
     @property
     def finished(self) -> bool:
@@ -161,6 +167,8 @@ class RunDirectory:
                                      "kept for inspection: delete them when you no longer need them")
                 if replaced:
                     self._move_aside(replaced, SET_ASIDE, f"checkpoints after step {start_step}")
+                if self.cfg.checkpoint.export_hf and (self.path / EXPORT).exists():  # a finished run trained further
+                    self._move_aside([EXPORT], SET_ASIDE, "the previous export")
             (self.path / FINISHED).unlink(missing_ok=True)
             (self.path / STOPPED_MARKER).unlink(missing_ok=True)  # a requeued run is running again
             self.path.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,8 @@
 
 SFT_TEST_SLOW_SAVE_S=N        every torch.distributed.checkpoint.save first sleeps N seconds
 SFT_TEST_SLOW_STEP_S=N        every optimizer step (AdamW) first sleeps N seconds
+SFT_TEST_DIE_IN_EXPORT=1      the process dies (exit 9, as a kill -9) as it writes an export's first
+                              safetensors file (a kill during the export)
 SFT_TEST_STOP_REQUEST_AT=N:F  the N-th optimizer step (AdamW) of the process first writes the file F
                               (a run's stop request, written during a known step)
 SFT_TEST_SLOW_TOKENIZE_S=N    rank 0's tokenising datasets map (desc "tokenising ...") first sleeps N s
@@ -40,6 +42,19 @@ if os.environ.get("SFT_TEST_SLOW_STEP_S"):
         return _step(*args, **kwargs)
 
     torch.optim.AdamW.step = _slow_step
+
+if os.environ.get("SFT_TEST_DIE_IN_EXPORT"):
+    import safetensors.torch
+
+    _save_file = safetensors.torch.save_file
+
+    def _dying_save_file(tensors, filename, *args, **kwargs):
+        if os.path.basename(os.path.dirname(str(filename))).endswith(".tmp"):  # export.tmp/, not a checkpoint
+            _save_file(dict(list(tensors.items())[:1]), filename, *args, **kwargs)  # part of it, then gone
+            os._exit(9)
+        return _save_file(tensors, filename, *args, **kwargs)
+
+    safetensors.torch.save_file = _dying_save_file
 
 if os.environ.get("SFT_TEST_STOP_REQUEST_AT"):
     import torch
