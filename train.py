@@ -18,35 +18,28 @@ from __future__ import annotations
 from sft.training.preemption import REQUEUE_EXIT_CODE, STOP_REQUEST, StopRequest, write_stopped_marker  # isort: skip
 
 import dataclasses
-import random
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
+from transformers import set_seed
 
 from sft.checkpoint.manager import Checkpointer
-from sft.config import DTYPES, check_machine, parse_args
+from sft.config import check_machine, parse_args
 from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first
 from sft.errors import run_command
-from sft.export import export_hf
-from sft.models.build import (build_meta_model, check_vocabulary, decoder_blocks, load_tokenizer, materialize,
-                              real_buffers, use_causal_sdpa)
-from sft.models.float8 import precompute_float8_scales
-from sft.models.lora import apply_lora
-from sft.models.moe import apply_moe
+from sft.models.build import check_vocabulary, load_tokenizer
+from sft.models.float8 import precompute_scales_after_each_step
 from sft.parallel.mesh import ParallelDims
-from sft.parallel.parallelize import parallelize
 from sft.plan import apply_auto_plan, check_fits, gpu_memory_gib
 from sft.profiling import StepProfiler
 from sft.training.evaluate import Evaluations
-from sft.training.loss import attach_sft_loss, forward_backward
-from sft.training.metrics import (EndedStep, MetricsLogger, StepMetrics, host_peak_rss_per_rank,
-                                  seconds_since_process_start)
-from sft.training.optim import apply_master_dtype, build_optimizer, build_scheduler, clip_grad_norm
+from sft.training.loss import forward_backward
+from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
+from sft.training.model import build_training_model
+from sft.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.training.rundir import RunDirectory
 
 
@@ -58,9 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(cfg.run_dir / STOP_REQUEST, started_at=time.time() - seconds_since_process_start())
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
-    random.seed(cfg.train.seed)
-    np.random.seed(cfg.train.seed)
-    torch.manual_seed(cfg.train.seed)
+    set_seed(cfg.train.seed)  # python, numpy and torch
     gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))
@@ -85,72 +76,40 @@ def main(argv: list[str] | None = None) -> int:
     total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
     log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
 
-    # Model: built on meta, parallelized in the fixed order (sft/parallel/parallelize.py), then
-    # materialised shard by shard, so no rank ever holds the full weights.
-    model = rank0_first(lambda: build_meta_model(cfg.model))
-    if use_causal_sdpa(model, cfg.data.packing):  # rows of one sequence: no mask, no wait for the GPU to build one
-        log0("attention: causal SDPA, no mask (rows of one sequence)")
-    # MoE models: our routing, experts and load-balancing loss; None if dense (rank 0 first: one error)
-    moe = rank0_first(lambda: apply_moe(model, cfg.moe))
-    # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype; None if off.
-    blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
-    if applied := apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype]):
-        log0(applied)
-    apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
     if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
         log0(warning)  # before anything is allocated: this run may not fit
-    ckpt.check_room(model, resume_from, total_steps)
-    buffers = real_buffers(model)
-    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, cfg.lora.enabled)
-    materialize(model, buffers, env.device, offload=cfg.fsdp.cpu_offload)
+    # The model: built on meta in the fixed order, parallelized, materialised (sft/training/model.py).
+    built = build_training_model(cfg, dims, env.device)
+    model, moe = built.model, built.moe
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
+    precompute_scales_after_each_step(optimizer, model, cfg.precision.float8, built.lora)  # float8 all-gathers
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.
-    t0 = time.perf_counter()
-    state, loaded = ckpt.restore(resume_from, model, optimizer, scheduler, global_batch)
-    attach_sft_loss(model)
-    model.train()
+    state, loaded = ckpt.restore(resume_from, model, built.lora, optimizer, scheduler, global_batch, total_steps)
     rss = host_peak_rss_per_rank(env)
-    log0(f"{loaded} in {time.perf_counter() - t0:.1f} s; {type(model).__name__}, "
-         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+    log0(f"{loaded}; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
 
     start_step = state["step"]
     run.start(start_step, ckpt.skipped)  # everything loaded: only now does this run change its directory
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
-    startup_s = seconds_since_process_start()
-    log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
-    metrics = StepMetrics(model, env, total_steps, state["tokens_seen"],
-                          {"startup_s": startup_s, "host_peak_rss_gib_per_rank": rss}, dims, moe)
+    metrics = StepMetrics(model, env, total_steps, state["tokens_seen"], rss, dims, moe)
     profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
                             report=logger.message)
 
+    # A resumed run keeps the eval loss of the run's start.
     evals = Evaluations(model, eval_batches, cfg.train.micro_batch_size, cfg.eval.every_steps, total_steps, env,
-                        dims, metrics, logger)
+                        dims, metrics, logger, first=state.get("first_eval_loss"))
 
     def save(step: int, blocking: bool = True) -> Path | None:
         metrics.pause()
         return ckpt.save(step, model, optimizer, scheduler, {
             "tokens_seen": metrics.tokens_seen, "global_batch": global_batch, "world_size": env.world_size,
-            "first_eval_loss": first_eval}, blocking)
+            "first_eval_loss": evals.first}, blocking)
 
-    ended: list[EndedStep] = []  # steps whose metrics are on their way from the GPU
-
-    def report(keep: int) -> bool:
-        """Log the ended steps' metrics but the last `keep`; return whether any rank asked to stop."""
-        asked = False
-        while len(ended) > keep:
-            entry, stop_asked = metrics.read(ended.pop(0))
-            logger.log(entry)
-            asked |= stop_asked
-        return asked
-
-    # Step 0's eval, or that of the step this run resumes at if it was never logged (a stop or a kill
-    # came first). A resumed run keeps the eval loss of the run's start.
-    at_start = evals.at(start_step)
-    first_eval = state["first_eval_loss"] if "first_eval_loss" in state else at_start
+    evals.begin(start_step)
     step, stopped = start_step, False
     stop.training_begins()
     for step in range(start_step + 1, total_steps + 1):
@@ -162,25 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
-        precompute_float8_scales(model, cfg.precision.float8, cfg.lora.enabled)  # the next float8 all-gathers
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        ended.append(metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested))
+        metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)
         save_now = bool(cfg.checkpoint.every_steps) and step % cfg.checkpoint.every_steps == 0 and step != total_steps
         eval_now = evals.due(step) and step != total_steps  # the last step's: on the shutdown path
-        # The host reads a step's metrics one step late, once the next step's work is queued: reading
-        # them at once would leave the GPU idle while the host prepares the next step. A save (it
-        # records the tokens seen), an eval and the last step read at once; so does a stop, which
-        # thus comes after the step that follows the request.
-        stopped = report(keep=0 if save_now or eval_now or step == total_steps else 1)
-        if stopped:
-            report(keep=0)
+        # A step's numbers are read once the next step's work is queued, but where they are needed now.
+        stopped = metrics.log_ended(logger, now=save_now or eval_now or step == total_steps)
         profiler.step_ends(step)
-        ckpt.poll()  # commits a background save once every rank has written it
+        ckpt.step_done(model, optimizer)  # commits a background save; after the first step, makes staging buffers
         if stopped:
             break
-        if step == start_step + 1:
-            ckpt.prepare_staging(model, optimizer)  # host buffers for asynchronous saves, in the background
         if save_now:
             save(step, blocking=False)
         if eval_now:
@@ -197,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 else "without a checkpoint (checkpoint.enabled=false): nothing to resume from"))
         exit_code = REQUEUE_EXIT_CODE if saved else 1
     else:
-        last_eval = evals.at(total_steps)
-        if last_eval is not None and first_eval is not None:
-            log0(f"eval loss {first_eval:.4f} -> {last_eval:.4f} ({1 - last_eval / first_eval:.0%} lower)")
+        evals.end()
         final = save(total_steps) if start_step < total_steps else resume_from
         exit_code = 0
     logger.close()
@@ -208,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     # Rank 0 exports after the process group is gone: no other rank waits for it under a
     # collective timeout (a 72B export writes ~145 GB).
     if env.is_main and not stopped:
-        if cfg.checkpoint.export_hf:
-            t0 = time.perf_counter()
-            export_hf(final, run.export_dir, cfg.checkpoint.export_dtype)
-            log0(f"exported {'the LoRA adapter' if cfg.lora.enabled else 'a Hugging Face model'} to "
-                 f"{run.export_dir} in {time.perf_counter() - t0:.1f} s")
-        run.finish()
+        run.finish(final)
     return exit_code
 
 

@@ -92,7 +92,8 @@ def main() -> None:
     missing = [str(r) for r in args.runs if not (r / "metrics.jsonl").is_file()]
     if missing:
         print(f"missing runs (left out): {', '.join(missing)}")
-    runs = sorted((summary(r) for r in args.runs if str(r) not in missing), key=lambda r: (r["recipe"] != "none", r["recipe"], r["seed"]))
+    runs = sorted((summary(r) for r in args.runs if str(r) not in missing),
+                  key=lambda r: (r["recipe"] != "none", r["recipe"], r["seed"]))
     bf16 = {r["seed"]: r for r in runs if r["recipe"] == "none"}
     if not bf16:
         raise SystemExit("no bf16 run (precision.float8: none) to compare with")
@@ -112,7 +113,8 @@ def main() -> None:
     spread = (max(finals) - min(finals)) / statistics.mean(finals)
     print(f"\nbf16 over {len(finals)} seeds: final eval loss mean {statistics.mean(finals):.4f}, "
           f"spread (max - min) / mean {spread:.2%}\n")
-    print(f"| recipe | seeds | mean difference from bf16 (same seed and step) | largest | within {args.tolerance:.0%} |")
+    print("| recipe | seeds | mean difference from bf16 (same seed and step) | largest | "
+          f"within {args.tolerance:.0%} |")
     print("|---|---|---|---|---|")
     for recipe, diffs in sorted(paired.items()):
         mean, worst = statistics.mean(diffs), max(diffs, key=abs)

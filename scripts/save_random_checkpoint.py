@@ -34,7 +34,7 @@ def main() -> None:
     device = torch.device(args.device)
 
     def tensors():
-        for name, param in weights.reference.named_parameters():
+        for name, _ in weights.reference.named_parameters():
             yield name, weights.read(name, (), device).to(getattr(torch, args.dtype))
 
     with atomic.directory(Path(args.out_dir)) as tmp:

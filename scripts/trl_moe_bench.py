@@ -53,9 +53,11 @@ def train(args: argparse.Namespace) -> None:
     samples = args.bs * world * (args.steps + 1)
     ids = torch.randint(2, config.vocab_size, (samples, args.seq), generator=torch.Generator().manual_seed(0))
     half = args.seq // 2
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "completion_mask": [[0] * half + [1] * (args.seq - half)] * samples})
+    data = Dataset.from_dict({"input_ids": ids.tolist(),
+                              "completion_mask": [[0] * half + [1] * (args.seq - half)] * samples})
     # A word-level tokenizer with only a pad token: the data is already token ids.
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>")),
+    words = models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
                                         pad_token="<pad>", unk_token="<unk>", eos_token="<pad>")
     layer = config.architectures[0].replace("ForCausalLM", "DecoderLayer")
     sft_config = SFTConfig(
@@ -82,7 +84,8 @@ def train(args: argparse.Namespace) -> None:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if rank == 0:
         print("RESULT " + json.dumps({
-            "peer": "trl", "world": world, "seq": args.seq, "bs": args.bs, "ac": args.ac, "experts": args.experts or "default",
+            "peer": "trl", "world": world, "seq": args.seq, "bs": args.bs, "ac": args.ac,
+            "experts": args.experts or "default",
             "step_s": step_s, "tok_s_gpu": args.bs * args.seq / step_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "loss_first": losses[:3], "loss_last": losses[-3:]}), flush=True)

@@ -16,24 +16,21 @@ output shard, 5 GiB) and written as they come.
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
-from safetensors.torch import save_file
 
 from sft import atomic
 from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointError, checkpoint_problem, content_problem,
                                    read_train_state)
-from sft.config import DTYPES, ModelConfig, is_local_path
+from sft.config import DTYPES, Config, LoRAConfig, ModelConfig, is_local_path, read_resolved_config
 from sft.errors import UserError, run_command
 from sft.models.build import build_meta_model, load_tokenizer
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
-from sft.models.lora import adapter_delta, is_adapter
+from sft.models.peft_format import merged, write_adapter
 from sft.models.weights import initial_weights
 
 
@@ -52,27 +49,26 @@ def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[
         yield from group.items()
 
 
-def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: bool = False) -> None:
+def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: bool = False) -> str:
     """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`: the model,
-    or a LoRA run's adapter (`merge`: the model with the adapter merged in)."""
+    or a LoRA run's adapter (`merge`: the model with the adapter merged in); return which, for the log."""
     # The checkpoint carries the model's config.json and tokenizer (hf/): the original model
     # directory or hub cache need not exist any more (but for a LoRA run's base weights).
-    cfg = yaml.safe_load((checkpoint / CONFIG).read_text())
-    model_cfg = ModelConfig(name_or_path=str(checkpoint / HF_FILES), trust_remote_code=cfg["model"]["trust_remote_code"])
+    cfg = read_resolved_config(checkpoint / CONFIG)
+    model_cfg = ModelConfig(name_or_path=str(checkpoint / HF_FILES), trust_remote_code=cfg.model.trust_remote_code)
     model = build_meta_model(model_cfg)
     # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    lora = cfg.get("lora", {})
     # A LoRA run's base as its checkpoint records it: a local one by its absolute path, as training
     # found it (the export may run elsewhere); a checkpoint from before the record: the config's.
-    base = read_train_state(checkpoint / TRAIN_STATE).get("lora", {}).get("base", cfg["model"]["name_or_path"])
+    base = read_train_state(checkpoint / TRAIN_STATE).get("lora", {}).get("base", cfg.model.name_or_path)
     base = str(Path(base).resolve()) if is_local_path(base) else base
     try:
         with atomic.directory(out_dir) as tmp:
-            if lora.get("rank", 0) and not merge:
-                write_adapter(checkpoint, lora, base, model, tmp, DTYPES[dtype])
+            if cfg.lora.enabled and not merge:
+                _write_adapter(checkpoint, cfg.lora, base, model, tmp, DTYPES[dtype])
             else:
-                tensors = _merged(checkpoint, lora, cfg, base, model, shapes) if lora.get("rank", 0) \
+                tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
                 # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
                 write_safetensors(to_hub_tensors(model.config.model_type,
@@ -84,57 +80,40 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
     except atomic.PathInTheWay as e:
         raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
                         "over an existing one)") from None
+    return "the LoRA adapter" if cfg.lora.enabled and not merge else "a Hugging Face model"
 
 
-def _adapter_shapes(checkpoint: Path) -> dict[str, torch.Size]:
+def _trained_shapes(checkpoint: Path) -> dict[str, torch.Size]:
     """The parameters a LoRA checkpoint holds (adapters, modules trained in full), by model name."""
     metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     return {key.removeprefix("model."): metadata[key].size for key in metadata if key.startswith("model.")}
 
 
-def write_adapter(checkpoint: Path, lora: dict, base: str, model, out: Path, dtype: torch.dtype) -> None:
-    """A LoRA checkpoint's adapter as PEFT writes one (adapter_model.safetensors, adapter_config.json)
-    for `model` (the meta-device model it was trained on, based on `base`)."""
-    shapes = _adapter_shapes(checkpoint)
-    tensors = {f"base_model.model.{name}": tensor.to(dtype) for name, tensor in _tensors(checkpoint, shapes)}
+def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, model, out: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's adapter in PEFT's format, for `model` (the meta-device model it was
+    trained on, based on `base`)."""
+    trained = {name: tensor.to(dtype) for name, tensor in _tensors(checkpoint, _trained_shapes(checkpoint))}
     # A trained embedding of a tied model is its lm_head too: PEFT unties them unless asked to keep
     # them tied (ensure_weight_tying), and then reads both.
     names = {module: name for name, module in model.named_modules()}
     embedding, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
-    tied = model.config.get_text_config().tie_word_embeddings and f"base_model.model.{embedding}.weight" in tensors
+    tied = model.config.get_text_config().tie_word_embeddings and f"{embedding}.weight" in trained
     if tied:
-        tensors[f"base_model.model.{head}.weight"] = tensors[f"base_model.model.{embedding}.weight"].clone()
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, out / "adapter_model.safetensors",
-              metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"], "lora_alpha": lora["alpha"],
-        "lora_dropout": lora["dropout"], "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "target_modules": sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes if is_adapter(name)}),
-        "modules_to_save": lora["modules_to_save"] or None,
-        "ensure_weight_tying": tied,
-        "base_model_name_or_path": base,
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        trained[f"{head}.weight"] = trained[f"{embedding}.weight"].clone()
+    write_adapter(out, trained, lora, base, tied)
 
 
-def _merged(checkpoint: Path, lora: dict, cfg: dict, base: str, model,
-            shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged(checkpoint: Path, cfg: Config, base: str, model, shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """The base's tensors (from its own files at `base`, or its random init) with the adapters merged
     in and the modules trained in full as trained: float32, one tensor at a time."""
-    trained = dict(_tensors(checkpoint, _adapter_shapes(checkpoint)))
-    base_cfg = ModelConfig(name_or_path=base, init=cfg["model"]["init"], trust_remote_code=cfg["model"]["trust_remote_code"])
-    base = initial_weights(base_cfg, cfg["train"]["seed"], model)
-    scaling = lora["alpha"] / lora["rank"]
+    trained = dict(_tensors(checkpoint, _trained_shapes(checkpoint)))
+    base_cfg = ModelConfig(name_or_path=base, init=cfg.model.init, trust_remote_code=cfg.model.trust_remote_code)
+    weights = initial_weights(base_cfg, cfg.train.seed, model)
     for name in shapes:
-        if name in trained:  # a module trained in full
-            yield name, trained[name]
-            continue
-        tensor = base.read(name, (), torch.device("cpu")).float()
-        stem = name.removesuffix(".weight")
-        if f"{stem}.lora_A.weight" in trained:
-            tensor = tensor + adapter_delta(trained[f"{stem}.lora_A.weight"], trained[f"{stem}.lora_B.weight"], scaling)
-        yield name, tensor
+        weight = trained.get(name)
+        if weight is None:
+            weight = weights.read(name, (), torch.device("cpu")).float()
+        yield name, merged(name, weight, trained, cfg.lora.scaling)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ from sft.training.metrics import read_metrics
 def plot(run_dir: Path) -> Path:
     """Write <run_dir>/curves.png (atomically, replacing the plot's own earlier one) and return its path."""
     if not (run_dir / "metrics.jsonl").is_file():
-        raise UserError(f"{run_dir}: no metrics.jsonl there; give a run directory (<train.output_dir>/<train.run_name>)")
+        raise UserError(f"{run_dir}: no metrics.jsonl there; give a run directory "
+                        "(<train.output_dir>/<train.run_name>)")
     try:
         import matplotlib
     except ImportError:

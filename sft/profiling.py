@@ -192,7 +192,8 @@ def memory_at_peak(snapshot: dict, requested_at_start: int, device: int = 0, top
     lines = [f"memory at its peak in the traced steps: {peak / 2**30:.2f} GiB requested "
              f"({len(events)} allocations and frees recorded)",
              "      GiB  tensors  allocated at",
-             f"  {(peak - recorded) / 2**30:7.2f}  {'':>7}  (before the traced steps: parameters, optimizer state, ...)"]
+             f"  {(peak - recorded) / 2**30:7.2f}  {'':>7}  "
+             "(before the traced steps: parameters, optimizer state, ...)"]
     ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
     for site, (size, count) in ranked[:top]:
         lines.append(f"  {size / 2**30:7.2f}  {count:7d}  {site}")

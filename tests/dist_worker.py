@@ -23,16 +23,17 @@ from safetensors import safe_open
 
 from helpers import synthetic_global_batch
 from sft.data.collate import collate, collate_packed
-from sft.config import DTYPES, ACConfig, FSDPConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig
+from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, FSDPConfig, LoRAConfig, MoEConfig,
+                        ModelConfig, OptimConfig, PrecisionConfig)
 from sft.distributed import all_reduce_sum, init_distributed, local_part
-from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
+from sft.training.loss import forward_backward, loss_inputs
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
-from sft.models.lora import apply_lora, is_adapter, is_nf4
-from sft.models.moe import apply_moe
+from sft.models.lora import is_nf4
+from sft.models.peft_format import is_adapter
+from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
 from sft.parallel.mesh import ParallelDims
-from sft.parallel.parallelize import parallelize
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -187,16 +188,18 @@ def run(args: argparse.Namespace, env) -> dict:
         result["supervised_tokens"] = (batch["labels"][:, 1:] != -100).sum().item()
         named = dict(model.named_parameters())
     else:
-        moe = apply_moe(model, MoEConfig(ep_degree=args.ep))
-        apply_lora(model, decoder_blocks(model), LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base), DTYPES[args.param_dtype])
-        dims = ParallelDims(env.world_size, args.replicate, args.cp, args.ep, env.rank).build(env.device.type)
-        parallelize(model, decoder_blocks(model), dims, ACConfig(args.ac_ratio, args.ac_mode), args.compile,
-                    FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
-                               reshard_after_forward=not args.zero2, replicate_degree=args.replicate), args.float8, moe,
-                    lora=args.lora_rank > 0)
+        # The model as train.py builds it (sft/training/model.py), from the config these flags stand for.
+        cfg = Config(model=model_cfg, data=DataConfig(packing=args.packed), ac=ACConfig(args.ac_ratio, args.ac_mode),
+                     fsdp=FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+                                     reshard_after_forward=not args.zero2, replicate_degree=args.replicate),
+                     compile=CompileConfig(enabled=args.compile), precision=PrecisionConfig(float8=args.float8),
+                     cp=CPConfig(degree=args.cp), moe=MoEConfig(ep_degree=args.ep),
+                     lora=LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base))
+        dims = ParallelDims.of(cfg, env.world_size, env.rank).build(env.device.type)
         reset_peak_rss()
         rss_before = peak_rss_gib()
-        materialize(model, buffers, env.device)
+        built = build_training_model(cfg, dims, env.device)
+        model, moe = built.model, built.moe
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         set_adapters(model)
         rss = torch.zeros(env.world_size)
@@ -205,7 +208,6 @@ def run(args: argparse.Namespace, env) -> dict:
         if args.load:
             result["load_mismatches"] = compare_with_checkpoint(model, args.load)
             result["tied_after_load"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-        attach_sft_loss(model)
         if args.leakage_probe:
             return leakage_probe(model, dims, env)
         block_linear = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Linear))

@@ -44,7 +44,7 @@ def main() -> None:
             sys.stderr.flush()
             os.dup2(capture.fileno(), 2)  # the whole fd: Python, the libraries' loggers and C alike
             try:
-                run_command(lambda: train.main(argv))
+                run_command(lambda argv=argv: train.main(argv))
             except SystemExit:
                 pass
             finally:

@@ -1,7 +1,7 @@
 """Run under torchrun by tests/test_float8.py: float8 through the real FSDP2 path on gloo ranks.
 
-Builds the model on meta, parallelizes it with `--float8` (no compile: CPU tests stay fast),
-materializes and loads the random init, or resumes from `--resume` (a checkpoint written by
+Builds the model as train.py does with `--float8` (no compile: CPU tests stay fast), loads the
+random init, or resumes from `--resume` (a checkpoint written by
 either precision), trains `--steps` steps on a fixed batch, and saves a checkpoint to `--save`.
 With `--reload-as RECIPE` a second model converted with RECIPE then loads that checkpoint.
 Writes what the test asserts on from rank 0 to --out.
@@ -19,15 +19,15 @@ from torch.distributed.tensor import DTensor
 from helpers import synthetic_global_batch
 from sft.checkpoint.manager import Checkpointer
 from sft.data.collate import collate
-from sft.config import ACConfig, Config, FSDPConfig, ModelConfig, OptimConfig
+from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.models.float8 import fuse_weight_casts, precompute_float8_scales
-from sft.training.loss import attach_sft_loss, forward_backward, loss_inputs
-from sft.models.build import build_meta_model, clean_name, decoder_blocks, load_tokenizer, materialize, real_buffers
+from sft.training.loss import forward_backward, loss_inputs
+from sft.models.build import clean_name, load_tokenizer
 from sft.models.weights import initial_weights, load_weights
 from sft.training.optim import build_optimizer, build_scheduler
 from sft.parallel.mesh import ParallelDims
-from sft.parallel.parallelize import parallelize
+from sft.training.model import build_training_model
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -37,11 +37,9 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build(model_cfg: ModelConfig, recipe: str, env, dims) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    model = build_meta_model(model_cfg)
-    buffers = real_buffers(model)
-    parallelize(model, decoder_blocks(model), dims, ACConfig(), False, FSDPConfig(param_dtype="bfloat16"), recipe)
-    materialize(model, buffers, env.device)
-    attach_sft_loss(model)
+    """The model as train.py builds it (sft/training/model.py), bf16 compute with precision.float8=`recipe`."""
+    cfg = Config(model=model_cfg, fsdp=FSDPConfig(param_dtype="bfloat16"), precision=PrecisionConfig(float8=recipe))
+    model = build_training_model(cfg, dims, env.device).model
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
     return model, optimizer, build_scheduler(optimizer, OptimConfig(lr=1e-3), total_steps=10)
 
@@ -81,7 +79,7 @@ def main() -> None:
     config.train.output_dir, config.train.run_name = args.save or ".", "run"
     ckpt = Checkpointer(config, load_tokenizer(model_cfg), env)
     if args.resume:
-        ckpt.restore(Path(args.resume), model, optimizer, scheduler, global_batch=8)
+        ckpt.restore(Path(args.resume), model, None, optimizer, scheduler, global_batch=8, total_steps=10)
         result["loaded"] = full_params(model)
     else:
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
@@ -109,7 +107,7 @@ def main() -> None:
         result["checkpoint"] = str(path)
         if args.reload_as:
             other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, dims)
-            ckpt.restore(path, other, other_optimizer, other_scheduler, global_batch=8)
+            ckpt.restore(path, other, None, other_optimizer, other_scheduler, global_batch=8, total_steps=10)
             result["reloaded"] = full_params(other)
             # The same weights through both precisions: float8 must change the numbers, a little.
             result["loss_saved"] = loss_at_current_weights(model, batch, env)

@@ -33,7 +33,7 @@ def launch(out: Path, nproc: int, runs: dict[str, list[str]]) -> None:
 def assert_grads_close(a: dict, b: dict, rtol: float, atol: float) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # Layouts and switches that must not change the result: (name, embeddings, ranks, dist_worker

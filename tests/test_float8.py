@@ -49,7 +49,7 @@ import sys
 sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, import fails
 from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
-from sft.models.float8 import precompute_float8_scales
+from sft.models.float8 import precompute_float8_scales, precompute_scales_after_each_step
 from sft.models.build import build_meta_model, decoder_blocks
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
@@ -62,8 +62,14 @@ try:
     load_config(sys.argv[1], ["precision.float8=tensorwise"])
 except ConfigError as e:
     print(e)
-load_config(sys.argv[1], ["precision.float8=tensorwise", "lora.rank=8"])  # LoRA's float8 matmul is ours
-precompute_float8_scales(model, "tensorwise", lora=True)  # and has no scales to precompute
+cfg = load_config(sys.argv[1], ["precision.float8=tensorwise", "lora.rank=8"])  # LoRA's float8 matmul is ours
+import torch
+from sft.models.lora import apply_lora
+lora_model = build_meta_model(cfg.model)
+lora = apply_lora(lora_model, decoder_blocks(lora_model), cfg.lora, torch.bfloat16)
+optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+precompute_scales_after_each_step(optimizer, lora_model, "tensorwise", lora)
+optimizer.step()  # and has no scales to precompute after a step
 print("LoRA with float8 needs no torchao")
 """
 
@@ -196,8 +202,8 @@ def test_with_lora_only_the_adapted_layers_base_matmuls_turn_float8(capsys):
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     blocks = decoder_blocks(model)
-    apply_lora(model, blocks, LoRAConfig(rank=4, target_modules=["q_proj", "up_proj"]), torch.bfloat16)
-    apply_float8(blocks, "rowwise", lora=True)
+    lora = apply_lora(model, blocks, LoRAConfig(rank=4, target_modules=["q_proj", "up_proj"]), torch.bfloat16)
+    apply_float8(blocks, "rowwise", lora=lora)
     adapted = {name: m.base_matmul for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     assert len(adapted) == 8 and all(f.func is frozen_float8_linear and f.keywords == {"recipe": "rowwise"}
                                      for f in adapted.values())

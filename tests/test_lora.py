@@ -177,7 +177,7 @@ def test_an_nf4_layer_keeps_no_bf16_weight_for_its_backward(compiled):
     from sft.models.lora import LoRALinear, quantized
 
     torch.manual_seed(0)
-    layer = LoRALinear(nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16), rank=4, alpha=8.0, dropout=0.0)
+    layer = LoRALinear(nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16), rank=4, scaling=2.0, dropout=0.0)
     layer.weight = quantized(layer.weight.detach())
     layer.to(torch.bfloat16)
     forward = torch.compile(layer) if compiled else layer

@@ -152,7 +152,7 @@ def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype, state_dtype):
         else:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
     graphs = counters["stats"]["unique_graphs"]
-    for step in range(2):
+    for _ in range(2):
         scalars.update(keys=tuple(k + 1 for k in scalars["keys"]), step_size=scalars["step_size"] * 0.9,
                        bias_correction2_sqrt=scalars["bias_correction2_sqrt"] + 0.1)
         _compiled_update()(*(t[offset:] for t in gpu), **scalars)

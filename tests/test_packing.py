@@ -44,7 +44,9 @@ def test_packed_loss_equals_padded_loss(model):
     assert len(rows) < len(samples)  # several documents share rows
     packed = collate_packed([[samples[i] for i in row] for row in rows], pad_token_id=0, row_len=96)
     padded = collate(samples, pad_token_id=0, max_seq_len=96)
-    count = lambda batch: int((batch["labels"][:, 1:] != -100).sum())
+    def count(batch: dict) -> int:
+        return int((batch["labels"][:, 1:] != -100).sum())
+
     assert count(packed) == count(padded)  # no label predicts across a document boundary
     with torch.no_grad():
         assert model.sft_loss(**loss_inputs(packed)).item() == pytest.approx(

@@ -43,7 +43,8 @@ def launch(tmp_path, env, *overrides, start_step=0, damaged=(), trains=(), finis
     data.write_text("{}\n")
     cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null",
                                                         f"train.output_dir={tmp_path}", "train.run_name=run",
-                                                        "train.overwrite=false", *overrides])
+                                                        "train.overwrite=false", "checkpoint.export_hf=false",
+                                                        *overrides])
     run = RunDirectory(cfg, env)
     try:
         run.open()
@@ -52,7 +53,7 @@ def launch(tmp_path, env, *overrides, start_step=0, damaged=(), trains=(), finis
             (cfg.checkpoints_dir / f"step-{step}").mkdir(parents=True)
             (cfg.checkpoints_dir / f"step-{step}" / "shard").write_text(line)
         if finishes:
-            run.finish()
+            run.finish(None)
     finally:
         run.release()  # as the process's exit would
     return run

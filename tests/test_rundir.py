@@ -375,8 +375,8 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
         resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
         real = shutil.disk_usage(tmp_path)
         for free, warned in ((more * size, False), (more * size - 1, True)):
-            monkeypatch.setattr(shutil, "disk_usage", lambda path: real._replace(free=free))
-            ckpt.check_room(model, resume_from, total)
+            monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: real._replace(free=free))
+            ckpt.check_room(model, None, resume_from, total)
             out = capsys.readouterr().out
             assert (f"and this run's checkpoints need up to {more * size / 2**20:.1f} MiB more ({more} of " in out) == warned
             assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned

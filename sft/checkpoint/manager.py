@@ -33,7 +33,8 @@ from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_ST
 from sft.checkpoint.staging import HostStaging, tensors_of
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
-from sft.models.lora import checkpointed_parameters, is_adapter
+from sft.models.lora import LoRA, checkpointed_parameters
+from sft.models.peft_format import is_adapter
 from sft.models.weights import base_identity, initial_weights, initialise_adapters, load_weights
 from sft.training.optim import state_bytes
 
@@ -130,7 +131,9 @@ class Checkpointer:
                                               initargs=(env.device,) if on_gpu else ())
         self._staging = HostStaging()
         self._staging_job: Future | None = None  # the writer thread making or pinning host buffers
+        self._stepped = False  # whether this run has taken a step (step_done)
         self.skipped: set[Path] = set()  # damaged checkpoints resume_point passed over
+        self._lora: LoRA | None = None  # the model's LoRA handle (restore), None without LoRA
         self._lora_record: dict | None = None  # what this LoRA run's adapters are fitted to (rank 0)
 
     def resume_point(self, auto: bool) -> Path | None:
@@ -171,7 +174,7 @@ class Checkpointer:
             self.skipped.add(candidate)  # said once
         return None
 
-    def check_room(self, model: nn.Module, resume_from: Path | None, total_steps: int) -> None:
+    def check_room(self, model: nn.Module, lora: LoRA | None, resume_from: Path | None, total_steps: int) -> None:
         """Before the weights load: warn (rank 0, once) when the checkpoints' filesystem has less
         free space than this run's checkpoints will add at their peak (keep_last committed ones
         stay while the next is written), which a save would otherwise learn only when it fails,
@@ -180,7 +183,7 @@ class Checkpointer:
         if not c.enabled:
             return
         size = state_bytes(self.cfg.optim).checkpoint * sum(
-            p.numel() for p in checkpointed_parameters(model, self.cfg.lora.enabled).values())
+            p.numel() for p in checkpointed_parameters(model, lora).values())
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
         more = max(1, min(c.most_on_disk, saves) - len(committed_checkpoints(self.root)))
@@ -193,25 +196,29 @@ class Checkpointer:
                  "when the disk is full, keeping the previous checkpoint; free space, lower checkpoint.keep_last or "
                  "set train.output_dir to a larger filesystem")
 
-    def restore(self, resume_from: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: torch.optim.lr_scheduler.LRScheduler, global_batch: int) -> tuple[dict, str]:
+    def restore(self, resume_from: Path | None, model: nn.Module, lora: LoRA | None, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LRScheduler, global_batch: int,
+                total_steps: int) -> tuple[dict, str]:
         """Collective: fill the materialised model (and, when resuming, the optimizer and scheduler)
         from the sources that apply; return the train state and what was loaded, for the log.
         Resuming under another global batch (`global_batch`: this run's) is allowed, with a warning.
-        A full fine-tuning checkpoint holds the whole model; a LoRA run's holds only what trains,
-        over a base read again from its own source."""
-        fresh = {"step": 0, "tokens_seen": 0}
-        loaded = None if resume_from is not None and not self.cfg.lora.enabled else self._model_weights(model)
-        if self.cfg.lora.enabled:  # read now, while the base is surely where it was loaded from
+        A full fine-tuning checkpoint holds the whole model; a LoRA run's (`lora`: the model's LoRA
+        handle) holds only what trains, over a base read again from its own source. First, a warning
+        if this run's checkpoints (`total_steps`) may not fit the disk."""
+        self._lora = lora
+        self.check_room(model, lora, resume_from, total_steps)
+        t0 = time.perf_counter()
+        loaded = None if resume_from is not None and not lora else self._model_weights(model)
+        if lora:  # read now, while the base is surely where it was loaded from
             decided_on_rank0(lambda: self.lora_record(model))
         if resume_from is None:
-            return fresh, loaded
+            return {"step": 0, "tokens_seen": 0}, f"{loaded} in {time.perf_counter() - t0:.1f} s"
         state = self._load(resume_from, model, optimizer, scheduler)
         if state.get("global_batch", global_batch) != global_batch:
             log0(f"warning: global batch {global_batch} != {state['global_batch']} of the checkpoint; the data "
                  "order from here differs from the original run's")
         resumed = f"resumed from {resume_from} (step {state['step']}, saved by {state['world_size']} ranks)"
-        return state, resumed if loaded is None else f"{loaded}; {resumed}"
+        return state, f"{resumed if loaded is None else f'{loaded}; {resumed}'} in {time.perf_counter() - t0:.1f} s"
 
     def _model_weights(self, model: nn.Module) -> str:
         """Collective: the model's own weights, from the prepared-model cache, the Hugging Face files
@@ -239,8 +246,8 @@ class Checkpointer:
         """What a checkpoint holds of the model and optimizer: all of it, or with LoRA what trains
         (the frozen base is read again from its source)."""
         weights = get_model_state_dict(model)  # all of it (buffers, a tied head's second name) without LoRA
-        if self.cfg.lora.enabled:
-            held = checkpointed_parameters(model, lora=True)
+        if self._lora:
+            held = checkpointed_parameters(model, self._lora)
             weights = {name: value for name, value in weights.items() if name in held}
         return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
@@ -249,9 +256,9 @@ class Checkpointer:
         state = self._training_state(model, optimizer)
 
         def check() -> None:  # rank 0, said once
-            if self.cfg.lora.enabled:
+            if self._lora:
                 lora_change_problem(path, read_train_state(path / TRAIN_STATE).get("lora"),
-                                    self.lora_record(model), self.cfg.lora.allow_resume_change)
+                                    self.lora_record(model), self._lora.cfg.allow_resume_change)
             wrong = _shape_mismatches(path, state)
             if wrong:
                 raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
@@ -259,7 +266,7 @@ class Checkpointer:
                                       "checkpoint.resume=none")
         decided_on_rank0(check)
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self.cfg.lora.enabled))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self._lora))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=False))
         rng = path / rng_file(self.env.rank)
@@ -274,7 +281,7 @@ class Checkpointer:
 
         With `blocking=False` and checkpoint.async_save, training waits only while the sharded
         state is copied to host memory; the files are written in the background, and the commit
-        (rename, `latest`, retention) happens at the first `poll()` after every rank has finished,
+        (rename, `latest`, retention) happens at the first `step_done()` after every rank has finished,
         or at the next save. At most one save is in flight. Besides the sharded state, hf/ holds
         the model's config.json and the tokenizer, so the checkpoint exports without the original
         model directory.
@@ -306,7 +313,7 @@ class Checkpointer:
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / SCHEDULER)
                 (tmp / CONFIG).write_text(to_yaml(self.cfg))
-                if self.cfg.lora.enabled:
+                if self._lora:
                     train_state = {**train_state, "lora": self.lora_record(model)}
                 (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "digests": True}, indent=2))
                 model.config.save_pretrained(tmp / HF_FILES)
@@ -326,12 +333,20 @@ class Checkpointer:
         """Rank 0: what this LoRA run's adapters are fitted to, as its checkpoints record it: the
         base (where it comes from, a fingerprint of its weights) and the adapters' shape and scale."""
         if self._lora_record is None:
-            lora = self.cfg.lora
+            lora = self._lora.cfg
             self._lora_record = {**base_identity(self.cfg.model, self.cfg.train.seed, model), "rank": lora.rank,
                                  "alpha": lora.alpha, "target_modules": lora.target_modules}
         return self._lora_record
 
-    def prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
+    def step_done(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
+        """Collective, after every optimizer step: commit a background save once every rank has
+        written it; after this run's first step, start making the staging buffers."""
+        self._poll()
+        if not self._stepped:
+            self._stepped = True
+            self._prepare_staging(model, optimizer)
+
+    def _prepare_staging(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
         """Collective, once after the first step (when Adam's moments exist): with periodic
         asynchronous saves, make and pin the host buffers on the writer thread while training goes
         on, so that the first save, too, only copies."""
@@ -363,7 +378,7 @@ class Checkpointer:
         self._staging_job = self._writer.submit(self._staging.pin_new_buffers, self.env.rank)
         return written
 
-    def poll(self) -> None:
+    def _poll(self) -> None:
         """Collective, once per step while a save is in flight: commit it once every rank's
         background write has finished (never waits for the writes)."""
         if self._pending is not None:
@@ -402,7 +417,8 @@ class Checkpointer:
         def publish() -> None:
             try:
                 atomic.write_file(self.root / LATEST, final.name + "\n")
-                for old in [p for p in committed_checkpoints(self.root) if p != final][self.cfg.checkpoint.keep_last - 1:]:
+                older = [p for p in committed_checkpoints(self.root) if p != final]
+                for old in older[self.cfg.checkpoint.keep_last - 1:]:
                     shutil.rmtree(old)
                 for leftover in [*self.root.glob("step-*.tmp"), *self.root.glob("step-*.old")]:
                     shutil.rmtree(leftover)

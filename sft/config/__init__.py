@@ -8,7 +8,7 @@ output directory exists, and all problems are reported in one `ConfigError` nami
 """
 
 from sft.config.checks import ConfigError, check_machine
-from sft.config.load import load_config, parse_args, to_yaml
+from sft.config.load import load_config, parse_args, read_resolved_config, to_yaml
 from sft.config.schema import (AC_MODES, DATA_FILE_SUFFIXES, DTYPES, ACConfig, ACMode, CheckpointConfig,
                                CompileConfig, Config, CPConfig, DataConfig, DistConfig, EvalConfig, FSDPConfig,
                                LoggingConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig, PlanConfig,
@@ -17,4 +17,5 @@ from sft.config.schema import (AC_MODES, DATA_FILE_SUFFIXES, DTYPES, ACConfig, A
 __all__ = ["AC_MODES", "DATA_FILE_SUFFIXES", "DTYPES", "ACConfig", "ACMode", "CheckpointConfig", "CompileConfig",
            "Config", "ConfigError", "CPConfig", "DataConfig", "DistConfig", "EvalConfig", "FSDPConfig",
            "LoggingConfig", "LoRAConfig", "MoEConfig", "ModelConfig", "OptimConfig", "PlanConfig", "PrecisionConfig",
-           "TrainConfig", "check_machine", "is_local_path", "load_config", "parse_args", "to_yaml"]
+           "TrainConfig", "check_machine", "is_local_path", "load_config", "parse_args", "read_resolved_config",
+           "to_yaml"]

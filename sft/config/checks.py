@@ -68,8 +68,8 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "or fsdp.replicate_degree > 1 (each replica would round its copy apart); set those, or "
           "optim.master_dtype=float32")
     check(cfg.optim.state_dtype == "float32" or not (cfg.fsdp.cpu_offload or cfg.fsdp.replicate_degree > 1),
-          "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its state "
-          "is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
+          "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its "
+          "state is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
           "optim.state_dtype=float32")
     check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
     check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,

@@ -89,7 +89,8 @@ def _build_section(cls: type, values: dict, prefix: str, problems: list[str]) ->
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
             if not isinstance(value, dict):
-                problems.append(f"{dotted}: must be a mapping of keys ({', '.join(f.name for f in dataclasses.fields(annotation))})")
+                keys = ", ".join(f.name for f in dataclasses.fields(annotation))
+                problems.append(f"{dotted}: must be a mapping of keys ({keys})")
                 continue
             kwargs[key] = _build_section(annotation, value, f"{dotted}.", problems)
             continue
@@ -136,8 +137,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), local_checks
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             problem = " ".join(str(getattr(e, "problem", None) or e).split())
-            raise ConfigError(f"{source}: override {item!r}: the value is not valid YAML ({problem}); write it as YAML, "
-                              "e.g. 'data.chat_template_kwargs={enable_thinking: false}', quoted for the shell") from None
+            raise ConfigError(f"{source}: override {item!r}: the value is not valid YAML ({problem}); write it as "
+                              "YAML, e.g. 'data.chat_template_kwargs={enable_thinking: false}', quoted for the "
+                              "shell") from None
         _set_dotted(tree, key.strip(), value)
     problems: list[str] = []
     cfg = _build_section(Config, tree, "", problems)
@@ -146,6 +148,16 @@ def load_config(path: str | Path | None, overrides: list[str] = (), local_checks
     if problems:
         where = source + (f" with overrides {list(overrides)}" if overrides else "")
         raise ConfigError(f"invalid config ({where}):\n  - " + "\n  - ".join(problems))
+    return cfg
+
+
+def read_resolved_config(path: Path) -> Config:
+    """The config a run resolved and saved (a checkpoint's config.yaml), typed through the schema but
+    not checked again: it was checked when the run started, and some checks hold only where it ran."""
+    problems: list[str] = []
+    cfg = _build_section(Config, yaml.safe_load(path.read_text()) or {}, "", problems)
+    if problems:
+        raise ConfigError(f"{path} does not fit this version's config ({'; '.join(problems)})")
     return cfg
 
 

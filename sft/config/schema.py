@@ -234,6 +234,11 @@ class LoRAConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def scaling(self) -> float:
+        """What an adapter's output is multiplied by: alpha / rank (PEFT's scaling, without rsLoRA)."""
+        return self.alpha / self.rank
+
 
 @dataclass
 class MoEConfig:

@@ -71,7 +71,8 @@ _INLINE_REASONING = re.compile(r"\A\s*<think>(.*?)</think>", re.S)
 GENERATION_PROMPT_MISMATCH = (
     "the chat template renders an assistant turn not as a continuation of its generation prompt "
     "(add_generation_prompt=True), so what the model generates there is undefined (e.g. reasoning in the data "
-    "with enable_thinking: false in data.chat_template_kwargs): fix the data or the template (docs/data.md: How masking works)")
+    "with enable_thinking: false in data.chat_template_kwargs): fix the data or the template (docs/data.md: How "
+    "masking works)")
 
 NOTHING_MARKED = "the chat template marked no assistant text"
 

@@ -38,6 +38,8 @@ from sft.distributed import log0
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
+    from sft.models.lora import LoRA
+
 # float8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of 16.
 _ALIGNMENT = 16
 
@@ -62,12 +64,12 @@ def _skip_reason(linear: nn.Module) -> str | None:
 
 
 def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, compiled: bool = False,
-                 lora: bool = False) -> None:
+                 lora: LoRA | None = None) -> None:
     """Swap the blocks' nn.Linear layers for Float8Linear in place (on the meta model, before
     activation checkpointing, compile and fully_shard wrap them); Linears whose dimensions do not
     suit float8 GEMMs stay as they are. Parameter names and shapes are unchanged. `compiled`: the
     blocks are compiled, and so is the tensorwise all-gather's cast (fuse_weight_casts). With
-    `lora` (lora.rank > 0), the adapted layers' frozen base matmuls run in float8 instead
+    `lora` (the LoRA handle), the adapted layers' frozen base matmuls run in float8 instead
     (frozen_float8_linear); frozen Linears without an adapter, and the adapters, stay bf16.
 
     `emulate` is for CPU tests of the wiring (training refuses float8 on CPU, check_machine):
@@ -81,12 +83,10 @@ def apply_float8(blocks: list[nn.Module], recipe: str, emulate: bool = False, co
         return reason is None
 
     if lora:
-        from sft.models.lora import LoRALinear
-
-        converted = 0
+        converted, adapted = 0, set(lora.layers)
         for block in blocks:
             for name, module in block.named_modules():
-                if isinstance(module, LoRALinear):
+                if module in adapted:
                     if convert(module, name):
                         module.base_matmul = functools.partial(frozen_float8_linear, recipe=recipe)
                         converted += 1
@@ -194,13 +194,22 @@ def fuse_weight_casts() -> None:
     Weight.fsdp_pre_all_gather = fsdp_pre_all_gather
 
 
-def precompute_float8_scales(model: nn.Module, recipe: str, lora: bool = False) -> None:
-    """Call after every optimizer.step(): with tensorwise scaling, compute the float8 scales of all
-    sharded weights in one all-reduce, for the next step's float8 all-gathers (otherwise each
-    all-gather computes its own: one small all-reduce per weight). Once called, it must follow
-    every step: the all-gathers keep using the last precomputed scale. No-op for other recipes,
-    and with LoRA (`lora`: its frozen weights all-gather in bf16 and are cast in each matmul)."""
+def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module, recipe: str,
+                                      lora: LoRA | None = None) -> None:
+    """Make `precompute_float8_scales` an optimizer post-step hook, where it does anything: it must
+    follow every step, the next step's float8 all-gathers use the scales it computes."""
     if recipe == "tensorwise" and not lora:
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model, recipe))
+
+
+def precompute_float8_scales(model: nn.Module, recipe: str) -> None:
+    """After every optimizer step (precompute_scales_after_each_step): with tensorwise scaling,
+    compute the float8 scales of all sharded weights in one all-reduce, for the next step's float8
+    all-gathers (otherwise each all-gather computes its own: one small all-reduce per weight). Once
+    called, it must follow every step: the all-gathers keep using the last precomputed scale. No-op
+    for other recipes. Not with LoRA: its frozen weights all-gather in bf16 and are cast in each
+    matmul."""
+    if recipe == "tensorwise":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         precompute_float8_dynamic_scale_for_fsdp(model)

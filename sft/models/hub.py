@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sft.models.moe import LAYOUTS
+
 # The largest safetensors shard written (Hugging Face's own default size).
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -52,9 +54,10 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Pa
 
 def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
     """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
-    whose hub files hold one tensor per expert: (prefix rename, gate, up, down names)."""
-    return {"qwen3_moe": ("", "gate_proj", "up_proj", "down_proj"),
-            "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}.get(model_type)  # gpt-oss: fused, as loaded
+    whose hub files hold one tensor per expert: (prefix rename, gate, up, down names); from the one
+    table of MoE architectures (sft/models/moe.py)."""
+    layout = LAYOUTS.get(model_type)
+    return layout.hub_experts if layout else None
 
 
 def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
@@ -64,7 +67,9 @@ def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
     if rename:
         prefix = prefix.replace(".mlp", f".{rename}")
     base = f"{prefix}.experts.{expert}"
-    return (f"{base}.{gate}.weight", f"{base}.{up}.weight") if name.endswith("gate_up_proj") else (f"{base}.{down}.weight",)
+    if name.endswith("gate_up_proj"):
+        return f"{base}.{gate}.weight", f"{base}.{up}.weight"
+    return (f"{base}.{down}.weight",)
 
 
 def is_fused_expert(name: str) -> bool:
@@ -92,7 +97,8 @@ def hub_shapes(model_type: str, name: str, shape: tuple[int, ...]) -> dict[str, 
     return out
 
 
-def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...],
+                     index: tuple[slice, ...]) -> torch.Tensor:
     """Slice `index` of fused expert parameter `name` (full `shape`) assembled from the hub's
     per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`)."""
     layout = hub_layout(model_type)

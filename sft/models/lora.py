@@ -23,6 +23,7 @@ import math
 import warnings
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ class LoRAError(UserError):
 class LoRALinear(nn.Module):
     """A frozen Linear with a low-rank adapter beside it."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -51,7 +52,7 @@ class LoRALinear(nn.Module):
         factory = {"device": base.weight.device, "dtype": torch.float32}
         self.lora_A = nn.Linear(base.in_features, rank, bias=False, **factory)
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, **factory)
-        self.scaling = alpha / rank
+        self.scaling = scaling
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         # x -> x W^T for the frozen base, when not F.linear's: precision.float8 sets its float8 matmul
         # (sft/models/float8.py, which the planner, importing this module, does not need)
@@ -88,20 +89,29 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int, device: torch.
     return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
 
 
-def adapter_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """(alpha / r) B A in float32: what an adapter adds to its base weight when merged."""
-    return (scaling * lora_b.float()) @ lora_a.float()
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def checkpointed_parameters(model: nn.Module, lora: bool) -> dict[str, nn.Parameter]:
+def checkpointed_parameters(model: nn.Module, lora: LoRA | None) -> dict[str, nn.Parameter]:
     """The parameters a checkpoint holds, by the name the state dict gives them (without the
     activation checkpointing wrapper's prefix): all of them, or with LoRA those that train (the
     frozen base is read again from its source)."""
     return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad or not lora}
+
+
+@dataclass
+class LoRA:
+    """What apply_lora did (None without LoRA), handed to every room that must know: the adapted
+    layers (float8 runs their frozen base matmuls), the base weights FSDP leaves whole (QLoRA's NF4),
+    what a checkpoint holds (`checkpointed_parameters`) and what the log says (`summary`)."""
+
+    cfg: LoRAConfig
+    layers: list[LoRALinear]
+    summary: str
+
+    def nf4_parameters(self) -> set[nn.Parameter]:
+        """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a
+        quarter of the bfloat16 bytes), as QLoRA with data parallelism does elsewhere (PEFT +
+        bitsandbytes), and dequantises it in its own matmuls; FSDP2 cannot gather NF4 shards on one
+        rank (torch 2.13)."""
+        return {layer.weight for layer in self.layers if is_nf4(layer.weight)}
 
 
 def _targets(blocks: list[nn.Module], patterns: list[str]) -> dict[str, list[tuple[nn.Module, str, nn.Linear]]]:
@@ -115,11 +125,11 @@ def _targets(blocks: list[nn.Module], patterns: list[str]) -> dict[str, list[tup
     return found
 
 
-def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, frozen_dtype: torch.dtype) -> str | None:
+def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, frozen_dtype: torch.dtype) -> LoRA | None:
     """On the meta-device model: freeze everything, put a LoRALinear in the place of each target
     Linear of `blocks`, unfreeze `modules_to_save`, store frozen parameters in `frozen_dtype` (and the
-    target layers' weights in 4-bit NF4 with lora.base: nf4); return what
-    it did, for the log. Nothing changes when lora.rank is 0 (None)."""
+    target layers' weights in 4-bit NF4 with lora.base: nf4); return the handle. Nothing changes
+    when lora.rank is 0 (None)."""
     if not cfg.enabled:
         return None
     targets = _targets(blocks, cfg.target_modules)
@@ -134,9 +144,11 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
         raise LoRAError(f"lora.modules_to_save={cfg.modules_to_save}: {', '.join(unknown)} names no module of "
                         f"{type(model).__name__}; give the last part of a module's name, e.g. embed_tokens or lm_head")
     model.requires_grad_(False)
+    adapted = []
     for layers in targets.values():
         for parent, attr, linear in layers:
-            setattr(parent, attr, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
+            adapted.append(LoRALinear(linear, cfg.rank, cfg.scaling, cfg.dropout))
+            setattr(parent, attr, adapted[-1])
     for name in saved:
         model.get_submodule(name).requires_grad_(True)
     with torch.no_grad():
@@ -152,9 +164,9 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
         in_full += "; base weights of the adapted layers in NF4" + (
             f" but {', '.join(unquantized)}, which do not split into NF4 groups of {NF4_GROUP} values"
             if unquantized else "")
-    return (f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {sum(map(len, targets.values()))} layers "
-            f"({', '.join(sorted(targets))}){in_full}: {trained / 1e6:.2f}M of "
-            f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters train")
+    return LoRA(cfg, adapted, f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers "
+                f"({', '.join(sorted(targets))}){in_full}: {trained / 1e6:.2f}M of "
+                f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters train")
 
 
 # torchao's NF4Tensor quantises a weight in blocks of 64 values and their scales in groups of 256
@@ -186,7 +198,8 @@ def _splits_into_nf4_groups(module: LoRALinear) -> bool:
 
 def nf4_weights(model: nn.Module) -> list[nn.Parameter]:
     """The base weights QLoRA stores in NF4: those of the adapted layers that split into NF4 groups."""
-    return [module.weight for module in model.modules() if isinstance(module, LoRALinear) and _splits_into_nf4_groups(module)]
+    return [module.weight for module in model.modules()
+            if isinstance(module, LoRALinear) and _splits_into_nf4_groups(module)]
 
 
 def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -195,13 +208,6 @@ def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor"
-
-
-def nf4_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a quarter
-    of the bfloat16 bytes), as QLoRA with data parallelism does elsewhere (PEFT + bitsandbytes), and
-    dequantises it in its own matmuls; FSDP2 cannot gather NF4 shards on one rank (torch 2.13)."""
-    return {param for param in model.parameters() if is_nf4(param)}
 
 
 def quantized(full: torch.Tensor) -> nn.Parameter:

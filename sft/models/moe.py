@@ -11,7 +11,8 @@ parameter names, checkpoints and hub files are the model's) and computes it:
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
 * sorts the (token, slot) pairs by expert and runs each expert's SwiGLU on its rows
   (`GroupedExperts`, which owns the expert weights) with `grouped_mm` on the gathered weights
-  (bf16 under fsdp.param_dtype=bfloat16, never the masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity,
+  (bf16 under fsdp.param_dtype=bfloat16, never the masters). Group sizes come from `searchsorted` on
+  the device: no host sync, no capacity,
   no dropped token, and every shape depends only on the number of tokens, so a compiled block sees
   one graph (dynamic in the token count) and no graph break. Where the kernel cannot run (float32
   weights, e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the
@@ -39,7 +40,8 @@ by its share of the step's real tokens, counted over all ranks before the first 
 So the total is invariant to how the same micro-batches fall on ranks and grad-accum steps (FSDP
 sums gradients; no factor of world size), and equals transformers' own term for one micro-batch and
 one MoE layer. The balancing set is what one forward sees, as in transformers: another
-train.micro_batch_size changes it (f and P are products over the set, not sums). transformers pools f and P over all layers before the product (expert e of layer 1
+train.micro_batch_size changes it (f and P are products over the set, not sums). transformers pools f
+and P over all layers before the product (expert e of layer 1
 and of layer 2 share a statistic); we balance each layer, as Switch, Megatron and TorchTitan do.
 Balancing over the whole global batch (the Qwen3 authors' recommendation) would need every
 micro-batch's counts before the first backward: a second forward, not done.
@@ -89,11 +91,15 @@ class ExpertLayout:
     biased: bool = False       # experts and router have biases
     softmax_of_top_k: bool = False  # softmax over the k largest logits, not top-k of the softmax
     returns_scores: bool = False    # the block returns (hidden states, router scores)
+    # The hub's files (and exports) hold one tensor per expert, named (the block's name there if not
+    # mlp, gate, up, down: sft/models/hub.py); None: fused, as transformers loads them.
+    hub_experts: tuple[str, str, str, str] | None = None
 
 
+# The one table of the mixture-of-experts architectures we know.
 LAYOUTS = {
-    "qwen3_moe": ExpertLayout(router="gate"),
-    "mixtral": ExpertLayout(router="gate"),
+    "qwen3_moe": ExpertLayout(router="gate", hub_experts=("", "gate_proj", "up_proj", "down_proj")),
+    "mixtral": ExpertLayout(router="gate", hub_experts=("block_sparse_moe", "w1", "w3", "w2")),
     "gpt_oss": ExpertLayout(router="router", transposed=True, interleaved=True, biased=True, softmax_of_top_k=True,
                             returns_scores=True),
 }
@@ -155,7 +161,8 @@ class GroupedExperts(nn.Module):
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.layout.interleaved:  # gpt-oss: gate/up interleaved, clamped, (up + 1) * gate * sigmoid(alpha gate)
-            gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            gate = gate_up[..., ::2].clamp(max=self.limit)
+            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
             return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
@@ -196,7 +203,8 @@ def eager_expert_widths(model: nn.Module) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         experts._glu(gate_up)
-    saved.setdefault(gate_up.untyped_storage().data_ptr(), gate_up.untyped_storage().nbytes())  # a view of it may be saved
+    # a view of it may be saved
+    saved.setdefault(gate_up.untyped_storage().data_ptr(), gate_up.untyped_storage().nbytes())
     return sum(saved.values()) // (rows * width * 4) + 1  # + the down projection's input
 
 
@@ -271,8 +279,10 @@ class SparseMoE(nn.Module):
         """(router probabilities [T, E] float32, top-k weights [T, K], top-k expert ids [T, K])."""
         router = self._modules[self.layout.router]  # `gate` or `router` (gpt-oss)
         bias = router.bias if self.layout.biased else None
-        logits = F.linear(x.float(), router.weight.float(), None if bias is None else bias.float()) if self.router_fp32 \
-            else F.linear(x, router.weight, bias)
+        if self.router_fp32:
+            logits = F.linear(x.float(), router.weight.float(), None if bias is None else bias.float())
+        else:
+            logits = F.linear(x, router.weight, bias)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # what the load-balancing loss averages
         if self.layout.softmax_of_top_k:  # gpt-oss
             top_logits, top_i = logits.topk(self.top_k, dim=-1)

@@ -29,7 +29,8 @@ from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
 from sft.models.build import ModelError, build_meta_model, clean_name, missing_local_dir
-from sft.models.lora import initial_adapter, is_adapter, is_nf4, quantized
+from sft.models.lora import initial_adapter, is_nf4, quantized
+from sft.models.peft_format import is_adapter
 
 
 class SafetensorsWeights:

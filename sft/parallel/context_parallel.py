@@ -52,10 +52,12 @@ CP_ATTENTION = "sft_context_parallel"
 def _chunks(degree: int, cp_rank: int, chunk: int) -> torch.Tensor:
     """Whole-row indices of the tokens cp rank `cp_rank` keeps (head-tail chunks)."""
     tail = 2 * degree - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)])
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange(tail * chunk, (tail + 1) * chunk)])
 
 
-def shard_rows(rows: dict[str, torch.Tensor], dims: ParallelDims) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def shard_rows(rows: dict[str, torch.Tensor],
+               dims: ParallelDims) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(this rank's share of {input_ids, position_ids, targets} [rows x length], the layout
     `attention_mask` needs). Rows are padded at the end to a multiple of 2 * cp; the padding
     continues the last document's positions and is never a target, so it changes nothing."""

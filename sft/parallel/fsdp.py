@@ -12,10 +12,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from sft.config import DTYPES, FSDPConfig
 from sft.distributed import log0
-from sft.models.lora import nf4_parameters
 from sft.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
+    from sft.models.lora import LoRA
     from sft.models.moe import MoE
 
 
@@ -56,12 +56,12 @@ class GradientsInComputePool:
 
 
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
-               moe: MoE | None = None) -> None:
+               moe: MoE | None = None, lora: LoRA | None = None) -> None:
     """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head), over
     the mesh's shard ranks (and replicas). MoE experts are split by the handle's placement
     (sft/models/moe.py), dim 0 for the rest; under expert parallelism each block's experts are a unit
     of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py). QLoRA's
-    NF4 weights stay whole on every rank (sft/models/lora.py).
+    NF4 weights stay whole on every rank (LoRA.nf4_parameters).
 
     Tied input/output embeddings are one parameter and both live in the root unit. The gradient
     divide factor is 1 on every unit: the loss is already divided by the global count of
@@ -70,7 +70,7 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cf
     options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                                        reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                   ignored_params=nf4_parameters(model))
+                   ignored_params=lora.nf4_parameters() if lora else set())
     for i, block in enumerate(blocks):
         if dims.ep_enabled and moe is not None:  # first: the block's unit then leaves them to this one
             for sparse in (m for m in block.modules() if m in moe.blocks):

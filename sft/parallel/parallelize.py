@@ -3,7 +3,8 @@ float8 -> activation checkpointing -> compile -> FSDP2.
 
 The order matters: context parallelism only swaps the attention function, and expert parallelism
 places the experts on their ranks and swaps how rows reach them, before anything wraps or compiles
-the blocks (FSDP then shards the placed experts over the ranks orthogonal to ep); float8 swaps the blocks' Linear modules, so it goes first, before anything
+the blocks (FSDP then shards the placed experts over the ranks orthogonal to ep); float8 swaps the
+blocks' Linear modules, so it goes first, before anything
 wraps the blocks (AC), traces them (compile) or takes over their parameters (FSDP; tensorwise float8
 weights then all-gather in float8). The checkpoint wrapper must be inside the compiled region so
 compile sees (and can optimise) the recomputation, and `fully_shard` goes last so its hooks wrap
@@ -26,6 +27,7 @@ from sft.parallel.fsdp import apply_fsdp
 from sft.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
+    from sft.models.lora import LoRA
     from sft.models.moe import MoE
 
 
@@ -38,12 +40,12 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
-                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: bool = False) -> None:
+                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: LoRA | None = None) -> None:
     """context parallelism -> expert parallelism -> float8 -> AC -> compile -> FSDP on a meta-device
     model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
     precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
-    its experts placed by expert parallelism and sharded by its placement); `lora`: adapters are on
-    (float8 then runs only the frozen base matmuls)."""
+    its experts placed by expert parallelism and sharded by its placement); `lora` the handle
+    apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe=moe is not None)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
@@ -53,4 +55,4 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
     blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset())
     if compile_blocks:
         apply_compile(blocks)
-    apply_fsdp(model, blocks, dims, fsdp, moe)
+    apply_fsdp(model, blocks, dims, fsdp, moe, lora)

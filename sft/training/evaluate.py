@@ -10,7 +10,7 @@ from torch import nn
 
 from sft.data.batches import MicroBatches
 from sft.data.masking import IGNORE_INDEX
-from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, to_device
+from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, log0, to_device
 from sft.parallel.mesh import ParallelDims
 from sft.training.loss import loss_inputs
 from sft.training.metrics import MetricsLogger, StepMetrics
@@ -24,10 +24,26 @@ class Evaluations:
     logged (a relaunch after a kill during the export) is not run again."""
 
     def __init__(self, model: nn.Module, batches: MicroBatches | None, micro_batch_size: int, every_steps: int,
-                 total_steps: int, env: DistEnv, dims: ParallelDims, metrics: StepMetrics, logger: MetricsLogger):
-        self.model, self.batches, self.micro_batch_size, self.env, self.dims = model, batches, micro_batch_size, env, dims
+                 total_steps: int, env: DistEnv, dims: ParallelDims, metrics: StepMetrics, logger: MetricsLogger,
+                 first: float | None = None):
+        """`first`: the eval loss of the run's start, as a resumed run's checkpoint recorded it."""
+        self.model, self.batches, self.micro_batch_size = model, batches, micro_batch_size
+        self.env, self.dims = env, dims
         self.every_steps, self.total_steps, self.metrics, self.logger = every_steps, total_steps, metrics, logger
         self.losses: dict[int, float] = decided_on_rank0(lambda: dict(logger.evaluations))  # step -> eval loss
+        self.first = first
+
+    def begin(self, start_step: int) -> None:
+        """Before the first step: step 0's eval, or that of the step the run resumes at if it was
+        never logged (a stop or a kill came first)."""
+        loss = self.at(start_step)
+        self.first = self.first if self.first is not None else loss
+
+    def end(self) -> None:
+        """After the last step: its eval, and how far the loss came."""
+        last = self.at(self.total_steps)
+        if last is not None and self.first is not None:
+            log0(f"eval loss {self.first:.4f} -> {last:.4f} ({1 - last / self.first:.0%} lower)")
 
     def due(self, step: int) -> bool:
         """Whether the run evaluates after `step` (0: before training)."""

@@ -107,14 +107,19 @@ class StepMetrics:
 
     One all-reduce per step carries the loss sum, the token and FLOP counts and the stop flag
     (so every rank learns of a SIGTERM at the same step); reading its result (`read`) is the step's
-    only wait for the GPU, and the loop reads a step's after it has queued the next step's work. The
-    entry `read` returns is a metrics.jsonl line (STEP_KEYS).
+    only wait for the GPU, and `log_ended` reads a step's after the loop has queued the next step's
+    work. The entry `read` returns is a metrics.jsonl line (STEP_KEYS).
     """
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
-                 first_step_extras: dict, dims: ParallelDims, moe=None):
-        """`moe`: the MoE handle of a mixture-of-experts model (sft/models/moe.py): its expert loads
-        are logged, and MFU counts the parameters a token runs through."""
+                 host_peak_rss: list[float], dims: ParallelDims, moe=None):
+        """Made once the run is ready to train: the first step's entry says how long the start took,
+        and `host_peak_rss` (per rank, GiB) how much host memory it took. `moe`: the MoE handle of a
+        mixture-of-experts model (sft/models/moe.py): its expert loads are logged, and MFU counts
+        the parameters a token runs through."""
+        startup_s = seconds_since_process_start()
+        log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
+        self.first_step_extras = {"startup_s": startup_s, "host_peak_rss_gib_per_rank": host_peak_rss}
         text = model.config.get_text_config()
         # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
@@ -127,7 +132,6 @@ class StepMetrics:
         self.moe = moe
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
-        self.first_step_extras = first_step_extras
         # The ranks of a cp group share each row: each counts its 1/degree of the row's tokens.
         self.row_share = 1 / dims.cp
         self.peak_flops = peak_bf16_flops(env.device)
@@ -137,6 +141,7 @@ class StepMetrics:
         self.step_times: list[float] = []
         self._began: _Mark | None = None
         self._last_end: _Mark | None = None
+        self._in_flight: list[EndedStep] = []  # ended steps whose numbers are on their way from the GPU
 
     def step_begins(self) -> None:
         # A step's time runs from the end of the step before (the GPU may idle in between, waiting
@@ -148,16 +153,17 @@ class StepMetrics:
         self._last_end = None
 
     def step_ends(self, step: int, micro_batches: list[tuple[dict, int]], ce_sum: torch.Tensor,
-                  supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> EndedStep:
-        """Start the step's one all-reduce and the copy of its result to the host, and return them;
-        nothing here waits for the GPU (`read` does).
+                  supervised: torch.Tensor, grad_norm: torch.Tensor, lr: float, stop_requested: bool) -> None:
+        """Start the step's one all-reduce and the copy of its result to the host; nothing here waits
+        for the GPU (`log_ended` reads the result, a step later).
 
         `micro_batches` are (batch, real tokens) pairs; `ce_sum` is this rank's summed CE,
         `supervised` the global supervised-token count, `grad_norm` the global norm.
         """
         device = self.env.device
         tokens = sum(n for _, n in micro_batches) * self.row_share
-        flops = sum(n * flops_per_token(self.trained, self.frozen, self.num_layers, self.hidden, b["input_ids"].shape[1])
+        flops = sum(n * flops_per_token(self.trained, self.frozen, self.num_layers, self.hidden,
+                                        b["input_ids"].shape[1])
                     for b, n in micro_batches) * self.row_share
         counted = to_device(torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64), device)
         router_stats = [self.moe.step_stats().double().flatten().to(device)] if self.moe else []
@@ -169,7 +175,22 @@ class StepMetrics:
             values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values, non_blocking=True)
         self._last_end = _Mark(device)
         # The allocator's numbers are the host's bookkeeping: this step's, now.
-        return EndedStep(step, lr, self._began, self._last_end, values, self.allocator.step())
+        self._in_flight.append(EndedStep(step, lr, self._began, self._last_end, values, self.allocator.step()))
+
+    def log_ended(self, logger: MetricsLogger, now: bool) -> bool:
+        """Log the metrics of the steps that ended, but the last one unless `now`; return whether any
+        rank asked to stop (then every ended step is logged: the loop leaves).
+
+        The host reads a step's numbers one step late, once the next step's work is queued: reading
+        them at once would leave the GPU idle while the host prepares the next step. A save (it
+        records the tokens seen), an eval and the last step read at once (`now`); so does a stop,
+        which thus comes after the step that follows the request."""
+        asked = False
+        while self._in_flight and (now or asked or len(self._in_flight) > 1):
+            entry, stop = self.read(self._in_flight.pop(0))
+            logger.log(entry)
+            asked |= stop
+        return asked
 
     def read(self, ended: EndedStep) -> tuple[dict, bool]:
         """Return (the metrics.jsonl entry of a step that `step_ends` ended, whether any rank asked to

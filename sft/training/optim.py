@@ -184,8 +184,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0, compiled:
         (decay if param.dim() >= 2 or cfg.decay_norms_and_biases else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if cfg.state_dtype != "float32" or cfg.master_dtype != "float32":
-        return LeanAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, state_dtype=DTYPES[cfg.state_dtype], seed=seed,
-                         compiled=compiled)
+        return LeanAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, state_dtype=DTYPES[cfg.state_dtype],
+                         seed=seed, compiled=compiled)
     # Fused on GPU shards and on host shards (fsdp.cpu_offload, CPU runs) alike: on the host it is
     # 3-5x faster than foreach and, unlike foreach, allocates no temporaries the size of all
     # parameters (docs/BENCHMARKS.md "Optimizer on the host").

@@ -36,12 +36,14 @@ import itertools
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from sft import atomic
 from sft.checkpoint.layout import committed_checkpoints, step_of
 from sft.config import Config, ConfigError, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
+from sft.export import export_hf
 from sft.training.preemption import STOPPED_MARKER
 
 FINISHED = "finished"
@@ -193,8 +195,13 @@ class RunDirectory:
                 os.replace(self.path / name, target)
         log0(f"run directory: {what} moved to {self.path / into}; {fate}")
 
-    def finish(self) -> None:
-        """Rank 0: mark the run finished; only now drop the run it overwrote."""
+    def finish(self, final: Path | None) -> None:
+        """Rank 0: export the final checkpoint (checkpoint.export_hf), mark the run finished; only now
+        drop the run it overwrote."""
+        if self.cfg.checkpoint.export_hf:
+            t0 = time.perf_counter()
+            what = export_hf(final, self.export_dir, self.cfg.checkpoint.export_dtype)
+            log0(f"exported {what} to {self.export_dir} in {time.perf_counter() - t0:.1f} s")
         atomic.write_file(self.path / FINISHED, "")
         for replaced in (OVERWRITTEN, SET_ASIDE):
             shutil.rmtree(self.path / replaced, ignore_errors=True)

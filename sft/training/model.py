@@ -1,0 +1,54 @@
+"""The model as a run trains it, built in the fixed order: transformers' architecture on the meta
+device -> causal SDPA where every row is one sequence -> our MoE blocks -> LoRA adapters -> the
+master weights' dtype -> parallelize (context and expert parallelism, float8, activation
+checkpointing, compile, FSDP2: sft/parallel/parallelize.py) -> materialised shard by shard, so no
+rank ever holds the full weights -> the fused loss attached. The weights come after
+(Checkpointer.restore).
+
+train.py and the distributed tests' worker both build it here, so the tested recipe is the trained one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from sft.config import DTYPES, Config
+from sft.distributed import log0, rank0_first
+from sft.models.build import build_meta_model, decoder_blocks, materialize, real_buffers, use_causal_sdpa
+from sft.models.lora import LoRA, apply_lora
+from sft.models.moe import MoE, apply_moe
+from sft.parallel.mesh import ParallelDims
+from sft.parallel.parallelize import parallelize
+from sft.training.loss import attach_sft_loss
+from sft.training.optim import apply_master_dtype
+
+
+@dataclass
+class TrainingModel:
+    model: PreTrainedModel  # sharded, materialised, its weights not yet loaded
+    moe: MoE | None  # the MoE handle (sft/models/moe.py); None for a dense model
+    lora: LoRA | None  # the LoRA handle (sft/models/lora.py); None without LoRA
+
+
+def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
+    """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
+    model = rank0_first(lambda: build_meta_model(cfg.model))
+    if use_causal_sdpa(model, cfg.data.packing):  # rows of one sequence: no mask, no wait for the GPU to build one
+        log0("attention: causal SDPA, no mask (rows of one sequence)")
+    # MoE models: our routing, experts and load-balancing loss (rank 0 first: one error)
+    moe = rank0_first(lambda: apply_moe(model, cfg.moe))
+    blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
+    # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype
+    lora = apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype])
+    if lora:
+        log0(lora.summary)
+    apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
+    buffers = real_buffers(model)
+    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora)
+    materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
+    attach_sft_loss(model)  # the fused lm_head + cross-entropy (refuses an output layer it cannot fuse)
+    model.train()
+    return TrainingModel(model, moe, lora)
