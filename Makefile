@@ -16,7 +16,7 @@ export OMP_NUM_THREADS ?= 1
 # machine reuses it; each test session compiles into a copy of it (tests/compile_cache.py).
 export TORCHINDUCTOR_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sft/inductor
 
-.PHONY: install demo demo-lora test test-fast demo-data
+.PHONY: install demo demo-lora test test-fast lint demo-data
 
 $(VENV)/bin/python:
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ runs/demo_lora_base/config.json: | install
 demo-lora: install demo-data runs/demo_lora_base/config.json
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(PYTHON) -m torch.distributed.run --standalone --nproc_per_node $(NPROC) --signals-to-handle SIGTERM,SIGINT,SIGUSR1 train.py --config configs/demo_lora.yaml
 	$(PYTHON) -m sft.chat runs/demo_lora/export --prompt "Spell the word 'rocket'."
+
+# ruff, its rules in pyproject.toml (CI runs it before the tests).
+lint: install
+	$(PYTHON) -m ruff check .
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), each file's tests on one of them, in order.
 TEST_WORKERS ?= 3

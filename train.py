@@ -5,10 +5,11 @@
     sbatch slurm/train.slurm configs/qwen72b.yaml                 # many nodes
 
 The recipe, top to bottom: config -> distributed init and the device mesh -> run directory (locked)
-and resume point -> data -> model on the meta device (MoE blocks ours) -> parallelize (context
-parallelism, float8, activation checkpointing, per-block compile, FSDP2) -> materialise ->
-optimizer -> restore weights -> training loop with held-out eval -> the one shutdown path (final or
-stop save, export). The machinery lives in sft/, one concern a module (README: Architecture).
+and resume point -> data -> the model (sft/training/model.py: on the meta device, causal SDPA where
+rows are one sequence, MoE blocks ours, LoRA adapters, the master dtype -> parallelize: context
+parallelism, expert parallelism, float8, activation checkpointing, per-block compile, FSDP2 ->
+materialise) -> optimizer -> restore weights -> training loop with held-out eval -> the one
+shutdown path (final or stop save, export). The machinery lives in sft/, one concern a module (README: Architecture).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from helpers import DEMO_MODEL
 from sft.config import ConfigError, ModelConfig
-from sft.parallel.context_parallel import apply_context_parallel, attention_mask, shard_rows, unsupported, visible_keys
+from sft.models.build import cp_unsupported
+from sft.parallel.context_parallel import apply_context_parallel, attention_mask, shard_rows, visible_keys
 from sft.models.moe import expert_shape
 from sft.parallel.mesh import ParallelDims
 from sft.models.build import build_meta_model
@@ -103,10 +104,10 @@ def test_models_whose_rows_cannot_be_split_are_refused_by_name(model, reason, tm
         model = str(tmp_path)
     meta = build_meta_model(ModelConfig(name_or_path=model))
     moe = expert_shape(meta) is not None  # asked as train.py asks it: did apply_moe find experts
-    assert reason in unsupported(meta, moe)
+    assert reason in cp_unsupported(meta, moe)
     with pytest.raises(ConfigError, match=f"cp.degree=2: .*{reason}.*; use cp.degree=1"):
         apply_context_parallel(meta, ParallelDims(2, cp=2), moe)
-    assert unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), moe=False) is None
+    assert cp_unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), moe=False) is None
 
 
 @pytest.mark.slow

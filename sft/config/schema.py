@@ -12,6 +12,10 @@ import torch
 
 # The dtype names the config accepts (fsdp.*_dtype, checkpoint.export_dtype) and what they mean.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# The fused lm_head + cross-entropy (sft/training/loss.py) computes its float32 logits in chunks of
+# this many (1 GiB whatever the vocabulary size); the planner counts one chunk. Here, in the lowest
+# floor, so that the planner need not load the loss (which loads FSDP and flex attention).
+LOGITS_PER_CHUNK = 2**28
 
 
 @dataclass
@@ -262,9 +266,9 @@ class MoEConfig:
     per block forward for the split sizes). 1 turns it off: the experts are FSDP-sharded like
     every other weight and all-gathered in every block. Must divide the ranks and the number of
     experts; checkpoints resume at any degree. Not with LoRA, cp.degree > 1 or
-    fsdp.replicate_degree > 1 yet. Measured on 2 H200 (NVLink), Qwen3-30B-A3B widths: 10% slower
-    than 1, whose all-gathers hide under compute where the all-to-alls cannot (docs/BENCHMARKS.md);
-    what it saves is the gathered experts' memory."""
+    fsdp.replicate_degree > 1 yet. Measured on 2 H200 (NVLink), Qwen3-30B-A3B widths at 10 blocks:
+    6% slower than 1 (dfebf3d), whose all-gathers hide under compute where the all-to-alls cannot
+    (docs/BENCHMARKS.md); what it saves is the gathered experts' memory."""
 
 
 @dataclass
@@ -357,7 +361,7 @@ class PlanConfig:
     auto: bool = False
     """On GPUs, let the memory planner (python -m sft.plan) choose ac.ratio, ac.mode,
     train.micro_batch_size and train.grad_accum_steps, keeping the global batch: the least
-    recomputation that fits with room to spare for the allocator (sft/plan.py:suggest)."""
+    recomputation that fits with room to spare for the allocator (sft/plan/search.py:suggest)."""
     gpu_mem_gib: float | None = None
     """Memory per GPU to plan for (default: the GPU's total memory). Set, it also lets plan.auto
     choose without a GPU (e.g. to see its choice on a CPU machine)."""

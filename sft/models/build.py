@@ -145,6 +145,20 @@ def attends_fully(model: PreTrainedModel) -> bool:
             and not getattr(config, "attn_logit_softcapping", None))
 
 
+def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
+    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
+    model). The one rule: context parallelism refuses these, and the planner never suggests a
+    cp.degree for them."""
+    config = model.config.get_text_config()
+    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
+        return "mixture-of-experts models are not supported yet"
+    if not attends_fully(model):
+        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is not supported (set the model's attention_dropout to 0)"
+    return None
+
+
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
     """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -40,7 +40,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from sft.config import ConfigError
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import log0
-from sft.models.build import attends_fully
+from sft.models.build import cp_unsupported
 from sft.parallel.mesh import ParallelDims
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
@@ -109,7 +109,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
                group_name: str, cp_mask: BlockMask | torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q [rows, heads, local, dim], k/v [rows, kv heads, local,
     dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row. `dropout` is
-    always 0: models with attention dropout are refused (`unsupported`)."""
+    always 0: models with attention dropout are refused (`cp_unsupported`)."""
     if cp_mask is None:
         raise RuntimeError("context-parallel attention called without cp_mask (use model.sft_loss)")
     # One collective for K and V, gathered along dim 0 (the only dim every torch version gathers
@@ -125,25 +125,11 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def unsupported(model: PreTrainedModel, moe: bool) -> str | None:
-    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
-    model). The one rule: parallelize refuses these, and the planner never suggests a cp.degree
-    for them."""
-    config = model.config.get_text_config()
-    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
-        return "mixture-of-experts models are not supported yet"
-    if not attends_fully(model):
-        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
-    if getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported (set the model's attention_dropout to 0)"
-    return None
-
-
 def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: bool) -> None:
     """Route the model's attention through `_attention` over the mesh's cp group (before anything
     wraps or compiles the blocks). transformers then builds no mask of its own: `sft_loss` passes
     `cp_mask` down to every attention call."""
-    reason = unsupported(model, moe)
+    reason = cp_unsupported(model, moe)
     if reason:
         raise ConfigError(f"cp.degree={dims.cp}: {reason}; use cp.degree=1")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=dims.cp_group_name))

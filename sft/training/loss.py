@@ -25,10 +25,9 @@ from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError
 from sft.parallel.context_parallel import attention_mask, shard_rows
+from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
 
-# Rows of logits per chunk: 2**28 float32 logits = 1 GiB whatever the vocabulary size.
-LOGITS_PER_CHUNK = 2**28
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_hidden: bool,

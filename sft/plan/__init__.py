@@ -1,0 +1,20 @@
+"""Memory planner: predict per-GPU peak memory and pick the activation checkpointing (ratio and
+mode) and micro-batch that fit.
+
+    python -m sft.plan --config configs/qwen72b.yaml --gpus 64 --gpu-mem 80
+
+Three parts: the memory model (`memory`: what a setting needs, the model in its docstring), the
+search over layouts (`search`: what fits, what plan.auto chooses) and the command line (`cli`).
+The planner loads the trainer's rules (the config, the mesh, the checkpointing modes, the model's
+shapes on the meta device), never its GPU side: FSDP's wrapping, flex attention, float8, the loss.
+"""
+
+from sft.plan.cli import main
+from sft.plan.memory import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank,
+                             host_gib_per_node, peak_bytes, predict_gib, usable_fraction)
+from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, MODES, RATIOS, apply_auto_plan, check_fits, gpu_memory_gib,
+                             smallest_cp, suggest)
+
+__all__ = ["AC_SETTINGS", "ALLOCATOR_SLACK", "GIB", "HOST_PROCESS_GIB", "MICRO_BATCHES", "MODES", "RATIOS", "Machine",
+           "Shapes", "apply_auto_plan", "check_fits", "gpu_memory_gib", "host_bytes_per_rank", "host_gib_per_node",
+           "main", "peak_bytes", "predict_gib", "smallest_cp", "suggest", "usable_fraction"]

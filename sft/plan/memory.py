@@ -1,0 +1,326 @@
+"""The memory model: the predicted per-GPU peak (and, with offload, the host's) of a setting.
+
+Peak = the larger of two moments; what is allocated and freed within a block or micro-batch
+(gathered blocks, activations, loss buffers, unsharded gradients) gets 5% allocator slack, the
+sharded state (weights, moments, gradients: the same large tensors every step) none. End of forward:
+fp32 params and both Adam moments (12 bytes per parameter over the shard group; gradients are None
+between steps, so +4 from the second micro-batch of a step on), the gathered blocks in
+fsdp.param_dtype (current + prefetched, or with ZeRO-2 every block until its backward; the root's
+embeddings and lm_head), activations (a checkpointed block keeps only its input, the others
+everything backward needs, plus one block being recomputed) and the loss buffers (one chunk of fp32
+logits and its gradient, the fp32 lm_head gradient formed in forward). End of backward: all 16 bytes
+per parameter of sharded state, the gathered blocks, one block's unsharded gradients (fp32, or bf16
+with fsdp.reduce_dtype=bfloat16) and one block's activations.
+optim.master_dtype / state_dtype = bfloat16 make the 16 bytes 12 (bf16 moments) or 8 (and bf16
+weights and gradients): sft/training/optim.py:state_bytes. Under expert parallelism (moe.ep_degree)
+a rank gathers only its share of each block's experts, and keeps the rows that arrived for them.
+The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16
+tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
+graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
+the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
+Mixture-of-experts blocks count as a dense block of the width a token runs through (top-k experts'
+intermediate sizes) plus the dispatch and router buffers (moe_bytes_per_token); their gathered
+weights are all experts' (FSDP gathers whole blocks). Under expert parallelism the experts run
+eagerly, and keep what their activation saves (counted by running it: gpt-oss's clamped SwiGLU
+keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
+(docs/BENCHMARKS.md, issue #36) are within 10%.
+With precision.float8 (full fine-tuning) the inputs of the block's Linear layers (3 h + ffn values) are saved as
+float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
+matmuls and attention produce, all or every second matmul with ops_half, attention's only with
+attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
+planner" and its issue #24 and #25 sections compare the predictions with 45 measured peaks
+(0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures
+are estimates: leave a margin.
+
+With LoRA (lora.rank > 0) only the adapters and modules_to_save carry the 16 bytes of state; the
+frozen base is its fsdp.param_dtype weights, sharded, or with lora.base=nf4 the adapted weights in
+NF4 (0.516 bytes a parameter, whole on every GPU, one matrix dequantised at a time); the activations
+add the adapters' inputs and rank-wide outputs. The "LoRA and QLoRA" section of docs/BENCHMARKS.md
+compares 8 measured LoRA and QLoRA peaks (P-7B and 72B) with it: 1-9% below the prediction.
+
+With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
+shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
+reduce-scatter output before its copy out). The host of each node holds, per GPU, the fp32 shards
+of the parameters and gradients in pinned memory (PyTorch's pinned allocator rounds each to a power
+of two), both Adam moments (8 bytes per parameter) and the process itself (HOST_PROCESS_GIB):
+about 16 bytes x parameters x GPUs-per-node / shard ranks, plus the rounding and the processes;
+with periodic asynchronous saves, 12 bytes more per parameter shard for the staged copy of the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
+from sft.models.build import cp_unsupported, decoder_blocks
+from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
+from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
+from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token
+from sft.parallel.mesh import ParallelDims
+from sft.training.optim import STATE_BYTES, StateBytes, state_bytes
+
+GIB = 2**30
+ALLOCATOR_SLACK = 1.05
+# One rank's own host footprint (CUDA context, libraries, Python): 1.8 GiB RSS per rank measured
+# after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
+HOST_PROCESS_GIB = 2.0
+DEFAULT_GPUS_PER_NODE = 8
+# A prediction fits a GPU when it is within this fraction of its memory: the rest is for the CUDA
+# context, NCCL and cuBLAS buffers and allocator fragmentation. A 14B offload run predicted at 93%
+# of a 140 GiB H200 ran out of memory with 1.5 GiB outside PyTorch and 10.5 GiB reserved but
+# unallocated (docs/BENCHMARKS.md).
+USABLE_FRACTION = 0.9
+# Under expert parallelism the rows each rank's experts receive change every step, and so do the
+# sizes of what a block keeps of them; kept across blocks (blocks without checkpointing, or the
+# matmul outputs op-level checkpointing keeps) they leave holes the allocator cannot reuse. Measured
+# on 140 GiB H200s (docs/BENCHMARKS.md, issue #36): 13-19 GiB reserved but unallocated so (gpt-oss-20b
+# ran out of memory at 120 GiB allocated, predicted 124-125), 5 GiB (Qwen3-30B-A3B) and 13 GiB
+# (gpt-oss-20b, which ran) with every block checkpointed whole or at attention.
+ROUTED_USABLE_FRACTION = 0.8
+
+
+def usable_fraction(s: Shapes, cfg: Config, ac_ratio: float, ac_mode: str) -> float:
+    """The fraction of a GPU's memory a prediction may take under this setting (see above)."""
+    keeps_routed = s.experts and cfg.moe.ep_degree > 1 and (ac_ratio < 1 or ac_mode in ("ops", "ops_half"))
+    return ROUTED_USABLE_FRACTION if keeps_routed else USABLE_FRACTION
+
+
+def predict_fit(s: Shapes, cfg: Config, m: Machine, micro_batch: int, ac_ratio: float,
+                ac_mode: str) -> tuple[float, bool]:
+    """A setting's predicted peak GiB per GPU, and whether it fits the GPUs (usable_fraction)."""
+    gib = predict_gib(s, cfg, m.gpus, micro_batch, ac_ratio, ac_mode)
+    return gib, m.fits(gib, usable_fraction(s, cfg, ac_ratio, ac_mode))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    params: int
+    block_params: int
+    root_params: int
+    layers: int
+    hidden: int
+    ffn: int
+    kv_dim: int
+    heads: int
+    vocab: int
+    param_shapes: tuple[tuple[int, ...], ...]  # each parameter once (a tied one once)
+    # Mixture of experts (0 for dense models): experts per block, experts per token; `ffn` is then
+    # the FFN width a token runs through (top_k x the expert's intermediate size).
+    experts: int = 0
+    top_k: int = 0
+    active_params: int = 0
+    block_experts: int = 0  # the expert weights of one block (of block_params)
+    eager_expert_widths: int = 0  # what eager experts keep per routed row (sft/models/moe.py:eager_expert_widths)
+    context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
+    attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
+    # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
+    # whether the lm_head trains; QLoRA: the base weights stored in NF4 (in all, in one block: whole
+    # on every rank) and the largest of them (dequantised to bf16 one matrix at a time).
+    trained_params: int | None = None
+    block_trained: int | None = None
+    head_trained: bool = True
+    nf4_params: int = 0
+    block_nf4: int = 0
+    largest_nf4: int = 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.attention_dim or self.hidden
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.trained_params is None else self.trained_params
+
+    @property
+    def block_trained_params(self) -> int:
+        return self.block_params if self.block_trained is None else self.block_trained
+
+    @classmethod
+    def of(cls, model: nn.Module, lora: LoRAConfig | None = None) -> Shapes:
+        """The shapes of `model` (a meta-device model), trained as `lora` says (on it: it is changed)."""
+        if lora is not None and lora.enabled:
+            apply_lora(model, decoder_blocks(model), dataclasses.replace(lora, base="bfloat16"), torch.bfloat16)
+            nf4 = [p.numel() for p in nf4_weights(model)] if lora.base == "nf4" else []
+            block_nf4 = nf4_weights(decoder_blocks(model)[0]) if nf4 else []
+            return dataclasses.replace(
+                cls.of(model), trained_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                block_trained=sum(p.numel() for p in decoder_blocks(model)[0].parameters() if p.requires_grad),
+                head_trained=model.get_output_embeddings().weight.requires_grad,
+                nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
+        text = model.config.get_text_config()
+        params = sum(p.numel() for p in model.parameters())
+        block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
+        ffn = top_k * expert_ffn if experts else text.intermediate_size
+        block_experts = sum(p.numel() for n, p in decoder_blocks(model)[0].named_parameters() if ".experts." in n)
+        return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
+                   text.hidden_size, ffn, text.num_key_value_heads * head_dim,
+                   text.num_attention_heads, text.vocab_size,
+                   tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
+                   block_experts, eager_expert_widths(model), cp_unsupported(model, moe=experts > 0) is None,
+                   text.num_attention_heads * head_dim)
+
+
+def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
+    """What an MoE block keeps per token beyond a dense block of width `ffn` (an estimate, not yet
+    fitted on measured peaks): the k dispatched copies of the token (bf16 rows in expert order), the
+    experts' outputs in both orders, and the router's float32 input, logits and probabilities; with
+    expert parallelism also the rows that arrived and their regrouped copy (k rows per token on
+    average: real routing is unbalanced)."""
+    if not s.experts:
+        return 0
+    return 2 * (3 + (2 if ep > 1 else 0)) * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
+
+
+def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
+               reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
+               float8: bool = False, ac_mode: str = "blocks", cp: int = 1, ep: int = 1,
+               state: StateBytes = STATE_BYTES, reduce_bytes: int = 4, weight_bytes: int = 2) -> float:
+    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
+    (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
+    then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
+    and compiled whole checkpointed blocks hold the size of the whole row's (see below). `ep`:
+    moe.ep_degree, each rank gathers only its 1/ep of a block's experts. `state`: the bytes per
+    trained parameter of optim.master_dtype / state_dtype; `reduce_bytes`: fsdp.reduce_dtype's;
+    `weight_bytes`: fsdp.param_dtype's, of the gathered and the frozen weights."""
+    # bf16 blocks gathered at once: the current and the prefetched one, or with
+    # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
+    # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16.
+    sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
+    block_bytes = weight_bytes * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / ep))
+    gathered = ((2 if reshard_after_forward else s.layers) * block_bytes
+                + weight_bytes * (s.root_params + s.largest_nf4))
+    if compiled:
+        per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
+    else:
+        per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
+    if float8:
+        per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
+    per_token_layer += moe_bytes_per_token(s, ep)
+    if ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
+        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
+    checkpointed = len(ac_block_indices(s.layers, ac_ratio))
+    # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
+    gathered_kv = 2 * 2 * s.kv_dim
+    per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
+    kept = 2 * s.hidden if ac_mode == "blocks" else kept_bytes_per_token(s, compiled, ac_mode)
+    if ac_mode == "blocks" and compiled and cp > 1:
+        # Measured at 128k-token rows (cp 2 and cp 4, docs/BENCHMARKS.md issue #25): compiled
+        # whole-block checkpointing peaks 7-8 GiB above its blocks' inputs and one block's
+        # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
+        # GPU's share), which ac.mode=attention does not; counted here as kept per block.
+        kept += cp * gathered_kv
+    activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
+    if checkpointed:
+        # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
+        activations += tokens * (per_token_layer if ac_mode == "blocks" else max(0, per_token_layer - kept))
+    rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
+    # one chunk of float32 logits and its gradient, the lm_head's float32 gradient (when it trains),
+    # the hidden states and their gradient
+    loss = 2 * 4 * rows * s.vocab + (4 * s.head_trained + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
+    # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
+    # sharded gradients only from the second micro-batch of a step on: they are set to None after
+    # each step) and the end of backward (all sharded gradients alive, one block's unsharded
+    # gradients being reduced, activations gone).
+    # With CPU offload the sharded state is on the host; the GPU holds only the fp32 shards of the
+    # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
+    # LoRA: the frozen base in bf16 (sharded) or NF4 (whole), no gradient, no optimizer state.
+    if cpu_offload:
+        state_in_forward = state_in_backward = 2 * state.master * s.block_params / shard_ranks
+    else:
+        grads_in_forward = state.grad if grad_accum > 1 else 0
+        nf4 = NF4_BYTES_PER_PARAMETER * s.nf4_params
+        frozen = weight_bytes * sharded_frozen
+        state_in_forward = ((state.checkpoint + grads_in_forward) * s.trained + frozen) / shard_ranks + nf4
+        state_in_backward = (state.total * s.trained + frozen) / shard_ranks + nf4
+    # in the reduce dtype, for the reduce-scatter
+    unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_experts * (1 - 1 / ep))
+    end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
+    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * per_token_layer)
+    return max(end_of_forward, end_of_backward)
+
+
+def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = False) -> float:
+    """Host bytes one rank holds with fsdp.cpu_offload (see the module docstring)."""
+    # FSDP2 shards dim 0, padded to a multiple of the shard ranks.
+    shards = [math.ceil(shape[0] / shard_ranks) * math.prod(shape[1:]) for shape in s.param_shapes]
+    # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
+    # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
+    pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
+    staged = STATE_BYTES.checkpoint * sum(shards) if staged_checkpoints else 0  # the state the writer writes
+    return pinned + STATE_BYTES.optimizer * sum(shards) + staged + HOST_PROCESS_GIB * GIB
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run plans for: GPUs in all, GiB per GPU, host GiB and GPUs per node."""
+    gpus: int
+    gpu_mem_gib: float
+    host_mem_gib: float
+    gpus_per_node: int
+
+    @property
+    def gpus_on_a_node(self) -> int:
+        return min(self.gpus, self.gpus_per_node)
+
+    def fits(self, gib: float, fraction: float = USABLE_FRACTION) -> bool:
+        """Whether a predicted peak of `gib` per GPU fits (`fraction` of the GPU's memory)."""
+        return gib <= fraction * self.gpu_mem_gib
+
+    @classmethod
+    def of(cls, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+           gpus_per_node: int | None = None) -> Machine:
+        """Defaults: the host memory of this machine (right when it is one of the job's nodes),
+        and min(gpus, 8) GPUs per node."""
+        return cls(gpus, gpu_mem_gib, host_mem_gib or this_machine_mem_gib(),
+                   gpus_per_node or min(gpus, DEFAULT_GPUS_PER_NODE))
+
+
+def this_machine_mem_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
+    """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
+    return m.gpus_on_a_node * host_bytes_per_rank(s, ParallelDims.of(cfg, m.gpus).shard_ranks,
+                                                  cfg.checkpoint.stages_in_host_memory) / GIB
+
+
+def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
+    """Why the host side of fsdp.cpu_offload does not fit the node, or None (also without offload)."""
+    if not cfg.fsdp.cpu_offload:
+        return None
+    need = host_gib_per_node(s, cfg, m)
+    if need <= m.host_mem_gib:
+        return None
+    staging = ", checkpoint.async_save=false" if cfg.checkpoint.stages_in_host_memory else ""
+    return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
+            f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node{staging} "
+            "or fsdp.cpu_offload=false")
+
+
+def float8_saves_inputs(cfg: Config) -> bool:
+    """Whether the blocks' Linear layers keep their inputs in float8 for the backward: torchao's
+    float8 layers do; LoRA's float8 base matmuls keep no input (the frozen weight needs no gradient),
+    but its adapters keep theirs in bf16."""
+    return cfg.precision.float8 != "none" and not cfg.lora.enabled
+
+
+def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
+    """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
+    split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
+    dims = ParallelDims.of(cfg, gpus)  # the degrees of every axis, as the run's mesh will have them
+    tokens = micro_batch * -(-cfg.data.max_seq_len // dims.cp)
+    grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
+    return peak_bytes(s, dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
+                      cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
+                      float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep, state_bytes(cfg.optim),
+                      DTYPES[cfg.fsdp.reduce_dtype].itemsize, DTYPES[cfg.fsdp.param_dtype].itemsize) / GIB
+

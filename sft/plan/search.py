@@ -1,0 +1,177 @@
+"""The search over layouts: the least recomputation (ac.ratio, ac.mode) and the micro-batch that fit,
+a cp.degree where rows do not fit, a roomier layout (expert parallelism, lean state) where nothing
+does; plan.auto applies the choice to the config, and train.py warns when a run may not fit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from sft.config import Config, ConfigError
+from sft.config.checks import range_checks
+from sft.models.build import build_meta_model
+from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, recompute_fraction
+from sft.parallel.mesh import ParallelDims
+from sft.plan.memory import (GIB, Machine, Shapes, host_gib_per_node, host_problem, predict_fit, predict_gib,
+                             usable_fraction)
+
+RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
+MODES = tuple(AC_MODES)
+# (ac.ratio, ac.mode) settings the planner tabulates and plan.auto chooses from; ratio 0 has no mode.
+AC_SETTINGS = tuple((ratio, mode) for ratio in RATIOS for mode in MODES if ratio > 0 or mode == "blocks")
+MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def recompute_cost(s: Shapes, seq_len: int, ac_ratio: float, ac_mode: str) -> float:
+    """Recomputed work per step in whole-block forwards: what plan.auto minimises."""
+    return len(ac_block_indices(s.layers, ac_ratio)) * recompute_fraction(s, seq_len, ac_mode)
+
+
+def as_overrides(ratio: float, mode: str, micro_batch: int, grad_accum: int) -> str:
+    """A setting (as `suggest` returns it) as the command-line overrides that select it."""
+    return (f"ac.ratio={ratio:g} ac.mode={mode} train.micro_batch_size={micro_batch} "
+            f"train.grad_accum_steps={grad_accum}")
+
+
+def ac_label(ac_ratio: float, ac_mode: str) -> str:
+    return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
+
+
+def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
+    """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
+    settings at the configured micro-batch or a larger one first (a smaller one adds grad-acc
+    steps, each with its own all-gathers and reduce-scatters, which recomputation does not weigh),
+    then the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun
+    cost 0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one),
+    then whole blocks before op-level modes. None if nothing fits the GPUs, or, with
+    fsdp.cpu_offload, the host (no setting here changes that)."""
+    if host_problem(s, cfg, m):
+        return None
+    dims = ParallelDims.of(cfg, m.gpus)
+    global_batch = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
+    data_parallel = dims.dp_size
+    fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
+             MODES.index(mode), ratio, mode)
+            for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
+            if global_batch % (micro * data_parallel) == 0 and predict_fit(s, cfg, m, micro, ratio, mode)[1]]
+    if not fits:
+        return None
+    *_, micro, _, ratio, mode = min(fits)
+    return ratio, mode, -micro, global_batch // (-micro * data_parallel)
+
+
+CP_DEGREES = (1, 2, 4, 8)
+
+
+def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
+    """The smallest cp.degree (within a node, dividing the GPUs) at which one row of
+    data.max_seq_len tokens per micro-batch fits with some activation checkpointing, or None; only
+    1 for a model whose rows cannot be split."""
+    for degree in CP_DEGREES if s.context_parallel else (1,):
+        if m.gpus % (degree * cfg.fsdp.replicate_degree) or degree > m.gpus_on_a_node:
+            continue
+        at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
+        if any(predict_fit(s, at, m, 1, ratio, mode)[1] for ratio, mode in AC_SETTINGS):
+            return degree
+    return None
+
+
+def nothing_fits(cfg: Config, m: Machine) -> str:
+    offload = "" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, "
+    return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
+            "cp.degree or a shorter data.max_seq_len")
+
+
+def _set(cfg: Config, overrides: dict) -> None:
+    """Set "section.name" keys of `cfg` in place."""
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+
+
+def text_of(overrides: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in overrides.items())
+
+
+def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, dict] | None:
+    """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
+    parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
+    experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
+    weights and gradient reduction. Each step adds to the ones before; a step the config's checks
+    refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As (config, suggest's
+    choice, its overrides); where none fits, the roomiest with choice None; None if there is none."""
+    shard_ranks = ParallelDims.of(cfg, m.gpus).shard_ranks
+    steps = []
+    if s.experts and cfg.moe.ep_degree == 1 and shard_ranks > 1 and s.experts % shard_ranks == 0:
+        steps.append({"moe.ep_degree": shard_ranks})
+    if lean:
+        steps += [{"optim.state_dtype": "bfloat16"},
+                  {"optim.master_dtype": "bfloat16", "fsdp.reduce_dtype": "bfloat16"}]
+    roomier, overrides = cfg, {}
+    for step in steps:
+        candidate = copy.deepcopy(roomier)
+        _set(candidate, step)
+        if candidate == roomier or range_checks(candidate, local_checks=False):
+            continue  # already so, or refused
+        roomier, overrides = candidate, {**overrides, **step}
+        if choice := suggest(s, roomier, m):
+            break
+    if roomier is cfg:
+        return None
+    return roomier, choice, overrides
+
+
+def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+                    gpus_per_node: int | None = None) -> str:
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; cp.degree where
+    rows do not fit at the configured one; where still nothing fits, expert parallelism (MoE) and,
+    if plan.allow_lean_state, the optimizer's bf16 state (roomier_layout); return a log line.
+    Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
+    shapes = Shapes.of(build_meta_model(cfg.model), cfg.lora)
+    m = Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    choice, note = suggest(shapes, cfg, m), ""
+    degree = smallest_cp(shapes, cfg, m) if choice is None else None
+    if degree is not None and degree > cfg.cp.degree:
+        # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
+        # ranks, so the global batch has fewer rows). Before anything that changes the numerics.
+        cfg.cp.degree, note = degree, f"cp.degree={degree} "
+        choice = suggest(shapes, cfg, m)
+    roomier = roomier_layout(shapes, cfg, m, lean=cfg.plan.allow_lean_state) if choice is None else None
+    if roomier is not None and roomier[1] is not None:
+        _, choice, overrides = roomier
+        _set(cfg, overrides)
+        note = text_of(overrides) + " "
+    if choice is None:
+        raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or nothing_fits(cfg, m)}")
+    configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
+    cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
+    predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    return (f"plan.auto: {note}{as_overrides(*choice)} (predicted {predicted:.1f} GiB per GPU"
+            + ("" if choice == configured else f"; the config said {as_overrides(*configured)}") + ")")
+
+
+def gpu_memory_gib(cfg: Config, device) -> float | None:
+    """The GPU memory to plan for: plan.gpu_mem_gib, else the GPU's own; None on a CPU without it."""
+    if cfg.plan.gpu_mem_gib:
+        return cfg.plan.gpu_mem_gib
+    return torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+
+
+def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
+               gpus_per_node: int | None = None) -> str | None:
+    """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload,
+    the node's host memory), else None."""
+    s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
+    m = Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
+    predicted, fits = predict_fit(s, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+    fraction = usable_fraction(s, cfg, cfg.ac.ratio, cfg.ac.mode)
+    problems = [] if fits else [f"{predicted:.0f} GiB per GPU, more than {fraction:.0%} of {gpu_mem_gib:.0f} GiB GPUs"]
+    if host_problem(s, cfg, m):
+        problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
+    if not problems:
+        return None
+    return (f"warning: the memory planner predicts {' and '.join(problems)}; see `python -m sft.plan --config "
+            f"<this config> --gpus {world_size} --gpu-mem {gpu_mem_gib:.0f}`")
+
