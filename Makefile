@@ -57,6 +57,6 @@ TEST_WORKERS ?= 3
 test: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
-# The unit tier (nothing launches torchrun or a Python), under half a minute: for the edit-test loop.
+# The unit tier (tests/unit: nothing launches torchrun or a Python), under half a minute: for the edit-test loop.
 test-fast: install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit

@@ -17,6 +17,13 @@ _compile_cache = SessionCache(Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or 
     os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sft" / "inductor"))
 
 
+def pytest_collection_modifyitems(items):
+    """The integration folder is the slow tier: every test there launches a process of its own."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_sessionstart(session):
     _compile_cache.begin()
 

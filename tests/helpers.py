@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import yaml
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sft.errors import run_command
@@ -193,3 +194,28 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
+
+
+def file_tree(root: Path) -> dict[str, bytes]:
+    """Every file under `root`, by relative path, with its bytes: what a tool must leave as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def compiled_demo_config(tmp_path: Path) -> Path:
+    """A config file of the demo model with compile on (what float8 needs) and a stand-in data file."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": []}\n')
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name_or_path": "configs/demo/model"}, "data": {"path": str(data)},
+                                    "compile": {"enabled": True}}))
+    return path
+
+
+def hf_moe_model(path: Path = DEMO_MOE_MODEL, seed: int = 0, **overrides):
+    """transformers' own MoE model of `path`'s config (the MoE demo's), seeded, with eager experts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(path, **overrides)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(config, experts_implementation="eager")

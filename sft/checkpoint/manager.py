@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import atomic
 from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
+from sft.checkpoint.lora_record import lora_change_problem, lora_record
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
                                    checkpoint_problem, committed_checkpoints, content_problem, read_train_state,
                                    rng_file, step_of)
@@ -35,7 +36,7 @@ from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
 from sft.models.lora import LoRA, checkpointed_parameters
 from sft.models.peft_format import is_adapter
-from sft.models.weights import base_identity, initial_weights, initialise_adapters, load_weights
+from sft.models.weights import initial_weights, initialise_adapters, load_weights
 from sft.training.optim import state_bytes
 
 
@@ -69,33 +70,6 @@ def _shape_mismatches(path: Path, state: dict) -> list[str]:
     ours = {name: tuple(tensor.shape) for name, tensor in state["model"].items()}
     return [f"{name}: {ours.get(name, 'absent')} here, {saved.get(name, 'absent')} in the checkpoint"
             for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]
-
-
-def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: bool) -> None:
-    """Refuse (CheckpointError) to resume the LoRA checkpoint `path`, whose train state records
-    `saved`, onto a base or a scale (`ours`) other than those its adapters were trained with, unless
-    `allowed`; or with adapters of another shape, which cannot load. A checkpoint from before the
-    record existed is taken as it is."""
-    if saved is None:
-        return
-    shape = ("rank", "target_modules")
-    if any(saved[key] != ours[key] for key in shape):
-        raise CheckpointError(
-            f"{path} holds adapters of lora.rank={saved['rank']} on lora.target_modules={saved['target_modules']}, "
-            f"this run asks for lora.rank={ours['rank']} on {ours['target_modules']}: set them as the checkpoint "
-            "has, or start fresh with checkpoint.resume=none")
-    changed = []
-    if saved["weights"] != ours["weights"]:
-        changed.append(f"base {saved['base']} ({saved['weights']}) -> {ours['base']} ({ours['weights']})")
-    if saved["alpha"] != ours["alpha"]:
-        changed.append(f"lora.alpha {saved['alpha']} -> {ours['alpha']}")
-    if changed and not allowed:
-        raise CheckpointError(
-            f"{path} was trained on another base or scale than this run's ({'; '.join(changed)}): resume with the "
-            "base and lora.alpha it was trained with, start fresh with checkpoint.resume=none, or set "
-            "lora.allow_resume_change=true to train these adapters on this base anyway")
-    if changed:
-        log0(f"warning: resuming {path} with {'; '.join(changed)} (lora.allow_resume_change=true)")
 
 
 def _size(nbytes: float) -> str:
@@ -330,12 +304,9 @@ class Checkpointer:
         return final
 
     def lora_record(self, model: nn.Module) -> dict:
-        """Rank 0: what this LoRA run's adapters are fitted to, as its checkpoints record it: the
-        base (where it comes from, a fingerprint of its weights) and the adapters' shape and scale."""
+        """Rank 0: what this LoRA run's adapters are fitted to (sft/checkpoint/lora_record.py)."""
         if self._lora_record is None:
-            lora = self._lora.cfg
-            self._lora_record = {**base_identity(self.cfg.model, self.cfg.train.seed, model), "rank": lora.rank,
-                                 "alpha": lora.alpha, "target_modules": lora.target_modules}
+            self._lora_record = lora_record(self.cfg.model, self._lora.cfg, self.cfg.train.seed, model)
         return self._lora_record
 
     def step_done(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:

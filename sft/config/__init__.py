@@ -9,10 +9,11 @@ output directory exists, and all problems are reported in one `ConfigError` nami
 
 from sft.config.checks import ConfigError, check_machine
 from sft.config.load import load_config, parse_args, read_resolved_config, to_yaml
-from sft.config.schema import (AC_MODES, DATA_FILE_SUFFIXES, DTYPES, LOGITS_PER_CHUNK, ACConfig, ACMode,
+from sft.config.paths import DATA_FILE_SUFFIXES, is_local_path
+from sft.config.schema import (AC_MODES, DTYPES, LOGITS_PER_CHUNK, ACConfig, ACMode,
                                CheckpointConfig, CompileConfig, Config, CPConfig, DataConfig, DistConfig, EvalConfig,
                                FSDPConfig, LoggingConfig, LoRAConfig, MoEConfig, ModelConfig, OptimConfig, PlanConfig,
-                               PrecisionConfig, TrainConfig, is_local_path)
+                               PrecisionConfig, TrainConfig)
 
 __all__ = ["AC_MODES", "DATA_FILE_SUFFIXES", "DTYPES", "LOGITS_PER_CHUNK", "ACConfig", "ACMode", "CheckpointConfig",
            "CompileConfig",

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from sft.config.schema import Config, is_local_path
+from sft.config.paths import is_local_path
+from sft.config.schema import Config
 from sft.errors import UserError
 
 

@@ -3,7 +3,6 @@ documentation (docs/configuration.md is generated from them)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -397,15 +396,3 @@ class Config:
     @property
     def checkpoints_dir(self) -> Path:
         return self.run_dir / "checkpoints"
-
-
-DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-def is_local_path(path: str) -> bool:
-    """Whether `path` (a model, tokenizer, dataset or export) names something on this machine rather
-    than the hub: it starts with / . or ~, names a data file, has more '/' than a hub id ('name' or
-    'org/name'), or is a directory here (as transformers, which looks on disk first, reads
-    `runs/base`). The one rule every loader and check asks."""
-    return (path.startswith(("/", ".", "~")) or path.endswith(DATA_FILE_SUFFIXES) or path.count("/") > 1
-            or os.path.isdir(path))

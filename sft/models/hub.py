@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sft.models.moe import LAYOUTS
+from sft.models.moe_layouts import LAYOUTS
 
 # The largest safetensors shard written (Hugging Face's own default size).
 MAX_SHARD_BYTES = 5 * 2**30

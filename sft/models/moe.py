@@ -4,8 +4,8 @@ expert-load statistics. (The hub's per-expert layout of their weights: sft/model
 Supported: the transformers 5 sparse blocks of Qwen3-MoE and Mixtral (softmax top-k router `gate`,
 fused experts `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]) and gpt-oss (router
 `router` with a bias and a softmax over the top-k logits; experts transposed [E, H, 2I] / [E, I, H],
-gate/up interleaved, biases, a clamped SwiGLU): `LAYOUTS`. `apply_moe` puts a `SparseMoE` of ours
-in each such block's place: it holds the block's router and experts under their own names (so
+gate/up interleaved, biases, a clamped SwiGLU): `LAYOUTS` (sft/models/moe_layouts.py). `apply_moe`
+puts a `SparseMoE` of ours in each such block's place: it holds the block's router and experts under their own names (so
 parameter names, checkpoints and hub files are the model's) and computes it:
 
 * routes in float32 (moe.router_fp32): logits, softmax and top-k from the gathered router weight;
@@ -49,7 +49,6 @@ micro-batch's counts before the first backward: a second forward, not done.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +58,7 @@ from torch.distributed.tensor.placement_types import Shard
 from sft.config import MoEConfig
 from sft.distributed import local_part
 from sft.errors import UserError
+from sft.models.moe_layouts import LAYOUTS, ExpertLayout
 
 
 class MoEError(UserError):
@@ -80,29 +80,6 @@ def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
     config = model.config.get_text_config()
     gate_up = sparse[0][1].experts.gate_up_proj  # [E, 2I, H] or transposed [E, H, 2I]
     return gate_up.shape[0], config.num_experts_per_tok, gate_up.numel() // (2 * gate_up.shape[0] * config.hidden_size)
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """How an architecture's sparse block stores and uses its experts."""
-    router: str                # the router's attribute on the block
-    transposed: bool = False   # expert weights [E, in, out] instead of [E, out, in]
-    interleaved: bool = False  # gate/up alternate along gate_up_proj's output instead of [gate; up]
-    biased: bool = False       # experts and router have biases
-    softmax_of_top_k: bool = False  # softmax over the k largest logits, not top-k of the softmax
-    returns_scores: bool = False    # the block returns (hidden states, router scores)
-    # The hub's files (and exports) hold one tensor per expert, named (the block's name there if not
-    # mlp, gate, up, down: sft/models/hub.py); None: fused, as transformers loads them.
-    hub_experts: tuple[str, str, str, str] | None = None
-
-
-# The one table of the mixture-of-experts architectures we know.
-LAYOUTS = {
-    "qwen3_moe": ExpertLayout(router="gate", hub_experts=("", "gate_proj", "up_proj", "down_proj")),
-    "mixtral": ExpertLayout(router="gate", hub_experts=("block_sparse_moe", "w1", "w3", "w2")),
-    "gpt_oss": ExpertLayout(router="router", transposed=True, interleaved=True, biased=True, softmax_of_top_k=True,
-                            returns_scores=True),
-}
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -243,7 +220,7 @@ class _AddAuxLossGrad(torch.autograd.Function):
         ctx.aux_dtype = aux.dtype
         # A copy, not `output` itself: compiled after a graph break (the per-expert fallback), an
         # output that is an input of the graph is rebuilt outside it and the aux gradient was lost
-        # (torch 2.13, tests/test_moe.py). Compiled, the copy fuses with the residual sum after it.
+        # (torch 2.13, tests/unit/test_moe.py). Compiled, the copy fuses with the residual sum after it.
         return output.clone()
 
     @staticmethod

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 # A Llama/Qwen block's matmuls in the order they run, and which width each one's output has: how
-# the planner reads a mode's keep_every_matmul (tests/test_distributed.py checks the counts against
+# the planner reads a mode's keep_every_matmul (tests/integration/test_distributed.py checks the counts against
 # what a real block keeps and reruns).
 BLOCK_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
 

@@ -1,34 +1,23 @@
 """Mixture of experts (sft/models/moe.py) on a tiny Qwen3-MoE: the grouped GEMM against the per-expert loop,
 routing kept under checkpoint recomputation, the hub layout of expert weights both ways, and the MoE
 demo end to end (learns, resumes exactly, exports what transformers reloads). The 2-rank comparisons
-with Hugging Face's eager MoE are rows of tests/test_distributed.py (MOE_RUNS)."""
+with Hugging Face's eager MoE are rows of tests/integration/test_distributed.py (MOE_RUNS)."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, moe_model_dir, run_torchrun
+from helpers import OpCounter, gpt_oss_model_dir, hf_moe_model, moe_model_dir
 from sft.config import ACConfig, MoEConfig, ModelConfig
-from sft.training.metrics import read_metrics
 from sft.models.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
 from sft.models.moe import (LAYOUTS, GroupedExperts, SparseMoE, _per_expert_linear, apply_moe, expert_outputs,
                             grouped_linear)
 from sft.parallel.activation_checkpointing import apply_ac
-
-
-def _hf_model(path=DEMO_MOE_MODEL, seed: int = 0, **overrides):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(path, **overrides)
-    config.use_cache = False
-    return AutoModelForCausalLM.from_config(config, experts_implementation="eager")
 
 
 def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
@@ -58,7 +47,7 @@ def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
     """apply_moe puts modules of ours in each sparse block's place (the block, its experts): the
     parameter names (checkpoints, hub files) are the model's, the Hugging Face modules carry no
     state of ours and keep their own forward, and the handle holds the blocks."""
-    model = _hf_model() if arch == "qwen3_moe" else _hf_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
+    model = hf_moe_model() if arch == "qwen3_moe" else hf_moe_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
     names = [name for name, _ in model.named_parameters()]
     forwards = {name: type(module).forward for name, module in model.named_modules()}
     moe = apply_moe(model, MoEConfig())
@@ -74,7 +63,7 @@ def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
 
 def test_experts_dispatch_and_combine_equal_hf_eager():
     """Sorting tokens by expert, the grouped experts and the weighted combine give HF's per-expert loop."""
-    model = _hf_model()
+    model = hf_moe_model()
     block = model.model.layers[0].mlp
     x = torch.randn(24, model.config.hidden_size)
     _, top_w, top_i = block.gate(x)
@@ -88,7 +77,7 @@ def test_experts_dispatch_and_combine_equal_hf_eager():
 def test_checkpoint_recomputation_does_not_route_again(mode):
     """With every block checkpointed, backward recomputes the blocks but never the top-k: the
     routing decision is saved (the 2-rank rows check the gradients are bitwise those without AC)."""
-    model = _hf_model()
+    model = hf_moe_model()
     router = apply_moe(model, MoEConfig())
     apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode), always_kept=router.kept_ops)
     ids = torch.randint(0, 800, (2, 16))
@@ -119,7 +108,7 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
     from sft.models.hub import to_hub_tensors
 
     directory = moe_model_dir(tmp_path, **overrides)
-    model = _hf_model(directory)
+    model = hf_moe_model(directory)
     model.save_pretrained(directory)
     with safe_open(directory / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
@@ -143,76 +132,12 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
                        model.model.layers[0].mlp.gate.weight.detach())
 
 
-@pytest.mark.slow
-def test_moe_demo_learns_resumes_exactly_and_exports(tmp_path, demo_data):
-    """train.py on configs/demo_moe.yaml, 2 ranks, expert parallel (moe.ep_degree=2): the loss falls;
-    metrics.jsonl has the aux loss and each layer's expert load; a run resumed from step 3 repeats
-    steps 4-6 exactly (loss, grad norm, aux loss); the export has one tensor per expert and reloads
-    in transformers to the checkpoint's weights. (Its state loads bit for bit without expert
-    parallelism: tests/test_distributed.py.)"""
-    import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
-
-    def train(name: str, *overrides: str) -> None:
-        run_torchrun(["train.py", "--config", "configs/demo_moe.yaml", f"data.path={demo_data / 'train.jsonl'}",
-                      "data.eval_path=null", f"train.output_dir={tmp_path}", f"train.run_name={name}",
-                      f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=6", "eval.every_steps=0",
-                      *overrides], nproc=2)
-
-    train("whole", "checkpoint.every_steps=3", "checkpoint.export_hf=true", "moe.ep_degree=2")
-    train("resumed", f"checkpoint.resume={tmp_path / 'whole' / 'checkpoints' / 'step-3'}", "moe.ep_degree=2")
-    whole, _ = read_metrics(tmp_path / "whole")
-    resumed, _ = read_metrics(tmp_path / "resumed")
-
-    assert whole[6]["loss"] < 0.9 * whole[1]["loss"]
-    assert len(whole[1]["expert_load_cv"]) == len(whole[1]["dead_experts"]) == 4 and whole[1]["aux_loss"] > 0
-    for step in (4, 5, 6):
-        for key in ("loss", "grad_norm", "aux_loss", "expert_load_cv"):
-            assert resumed[step][key] == whole[step][key], (step, key)
-
-    export = tmp_path / "whole" / "export"
-    keys = set(json.loads((export / "model.safetensors.index.json").read_text())["weight_map"])
-    assert "model.layers.0.mlp.experts.7.down_proj.weight" in keys
-    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
-    reloaded = AutoModelForCausalLM.from_pretrained(export).state_dict()
-    trained = {name: torch.empty(t.shape) for name, t in reloaded.items() if name != "lm_head.weight"}  # tied
-    dcp.load({"model": trained}, checkpoint_id=tmp_path / "whole" / "checkpoints" / "step-6", no_dist=True)
-    for name, tensor in trained.items():
-        assert torch.equal(reloaded[name], tensor), name
-
-
-@pytest.mark.slow  # compiles (10-20 s each on a cold inductor cache)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32 fallback", "bf16 grouped"])
-def test_compiled_block_keeps_the_load_balancing_gradient(dtype):
-    """A compiled MoE block gives the router the same aux-loss gradient as the eager one: in bf16
-    (grouped GEMM, one graph) and in float32 (the per-expert fallback breaks the graph)."""
-    torch._dynamo.reset()
-    model = _hf_model(num_hidden_layers=1).to(dtype)
-    ids = torch.randint(0, 800, (2, 16))
-    router_grads = {}
-    for coef in (0.0, 1.0):
-        for compiled in (False, True):
-            model.zero_grad()
-            router = apply_moe(model, MoEConfig(aux_loss_coef=coef))
-            block = model.model.layers[0]
-            block.compile() if compiled else setattr(block, "_compiled_call_impl", None)
-            router.begin_step(torch.tensor(32.0))
-            router.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
-            model(input_ids=ids, labels=ids).loss.backward()
-            router_grads[coef, compiled] = block.mlp.gate.weight.grad.float().clone()
-    aux_eager = router_grads[1.0, False] - router_grads[0.0, False]
-    aux_compiled = router_grads[1.0, True] - router_grads[0.0, True]
-    assert aux_eager.norm() > 0.1 * router_grads[0.0, False].norm()
-    # a difference of two gradients: in bf16 each carries its own rounding, so compare norms
-    assert (aux_compiled - aux_eager).norm() < (0.05 if dtype == torch.bfloat16 else 1e-4) * aux_eager.norm()
-
-
 def test_gpt_oss_experts_equal_hf_eager(tmp_path):
     """gpt-oss (transposed experts, interleaved gate/up, biases, clamped SwiGLU, softmax over the top-k
     logits): our block's logits and load-balancing term equal transformers' eager model."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    model = _hf_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
+    model = hf_moe_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
     with torch.no_grad():  # non-zero biases, and gate/up values past the clamp
         for layer in model.model.layers:
             layer.mlp.experts.gate_up_proj_bias.normal_()

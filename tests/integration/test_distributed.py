@@ -1,19 +1,13 @@
 """FSDP2 on 2 gloo ranks against a single-process Hugging Face reference (fp32, tight tolerance)."""
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import DEMO_MODEL, OpCounter, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
-from sft.config import ACConfig, ModelConfig
+from helpers import gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
 from sft.training.metrics import read_metrics
-from sft.models.build import build_meta_model, decoder_blocks
-from sft.parallel.activation_checkpointing import apply_ac
-from sft.parallel.activation_checkpointing import kept_bytes_per_token
-from sft.plan import Shapes
 
 
 @pytest.fixture(scope="module")
@@ -182,76 +176,6 @@ def test_activation_checkpointing_gradients_are_bitwise_equal(runs, name, ac_fla
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param
 
 
-def _demo_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEMO_MODEL), attn_implementation="sdpa")
-    model.config.use_cache = False  # as sft/models/ sets it for training
-    return model.to(dtype)
-
-
-def _backward_ops(ac: ACConfig) -> Counter:
-    """The ops the demo model's backward runs (recomputation included) with every block under `ac`."""
-    model = _demo_model()
-    apply_ac(model, decoder_blocks(model), ac)
-    ids = torch.randint(0, 500, (2, 16))
-    with OpCounter() as counter:
-        loss = model(input_ids=ids, labels=ids).loss
-        forward = Counter(counter.counts)
-        loss.backward()
-    return counter.counts - forward
-
-
-# What each mode recomputes per checkpointed block (eager), beyond the backward of an unchecked one:
-# (mode, matmuls, attention kernels, SiLUs). Whole blocks rerun q, k, v, o, gate and up (checkpoint
-# stops before down, whose output backward never reads); ops reruns no matmul and no attention;
-# ops_half reruns k, o and up; attention reruns what whole blocks do but attention.
-RECOMPUTED_PER_BLOCK = [("blocks", 6, 1, 1), ("ops", 0, 0, 1), ("ops_half", 3, 0, 1), ("attention", 6, 0, 1)]
-
-
-@pytest.mark.parametrize("mode, matmuls, attention, silu", RECOMPUTED_PER_BLOCK,
-                         ids=[row[0] for row in RECOMPUTED_PER_BLOCK])
-def test_op_level_checkpointing_recomputes_only_the_cheap_ops(mode, matmuls, attention, silu):
-    plain, ac = _backward_ops(ACConfig(0.0)), _backward_ops(ACConfig(1.0, mode))
-    blocks = 4
-    assert ac["mm"] + ac["addmm"] - plain["mm"] - plain["addmm"] == blocks * matmuls
-    assert ac["_scaled_dot_product_flash_attention_for_cpu"] == blocks * attention
-    assert ac["silu"] - plain["silu"] == blocks * silu
-
-
-@pytest.mark.parametrize("mode, per_token", [("ops", 2832), ("ops_half", 1680), ("attention", 528)])
-def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
-    """The bytes per token a compiled checkpointed block hands from forward to backward (the
-    partitioner's choice under the policy; bf16, log-sum-exp float32) are the planner's count."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition  # inductor's
-
-    torch._dynamo.reset()
-    model = _demo_model(torch.bfloat16)
-    blocks = apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode))
-    forward_graphs = []
-
-    def keep_forward(graph, _inputs):
-        forward_graphs.append(graph)
-        return make_boxed_func(graph)
-
-    blocks[0].compile(backend=aot_autograd(fw_compiler=keep_forward, partition_fn=min_cut_rematerialization_partition,
-                                           bw_compiler=lambda graph, _inputs: make_boxed_func(graph)))
-    batch, seq = 2, 64
-    ids = torch.randint(0, 500, (batch, seq))
-    model(input_ids=ids, labels=ids).loss.backward()
-    output = next(n for n in forward_graphs[0].graph.nodes if n.op == "output")
-    # The forward's outputs after the block's own: what backward reads. Of the graph's inputs only the
-    # hidden states count per token (weights and the shared rotary tables do not).
-    saved = [n.meta["val"] for n in output.args[0][1:] if isinstance(n, torch.fx.Node)
-             and (n.op != "placeholder" or tuple(n.meta["val"].shape[:2]) == (batch, seq))]
-    kept = sum(t.numel() * t.element_size() for t in saved) / (batch * seq)
-    shapes = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))))
-    assert kept == kept_bytes_per_token(shapes, compiled=True, mode=mode) == per_token
-
-
 @pytest.mark.slow
 def test_expert_parallel_rank_whose_experts_get_no_row_takes_part(runs):
     """Every row of both ranks routed to rank 0's experts: rank 1 receives nothing yet takes part in
@@ -304,6 +228,8 @@ MOE_RUNS = [
     ("ep 2 saves its state", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--save-state", "{out}/ep2-state"]),
     ("ep 1 loads it", "moe", 2, ["--grad-accum", "2", "--load-state", "{out}/ep2-state"]),
 ]
+
+
 # (reference, run). The gradients' atol is 1e-6, not the dense rows' 1e-7: gradients summed over every
 # token (embeddings, biases) reach their sums in another order than Hugging Face's per-expert loop and
 # differ by up to ~2e-7 in float32 (seen on an embedding row and a gpt-oss attention bias); rtol stays 1e-5.
@@ -378,7 +304,11 @@ LORA_RUNS = [
     ("lora cp 2, packed rows", 2, ["--lora-rank", "4", "--cp", "2", "--grad-accum", "4", "--packed"], 1e-5),
     ("lora HSDP, 2 replicas", 2, ["--lora-rank", "4", "--grad-accum", "2", "--replicate", "2"], 1e-5),
 ]
+
+
 QLORA = ["--lora-rank", "4", "--lora-base", "nf4"]
+
+
 QLORA_RUNS = [
     ("qlora reference", 1, ["--reference", *QLORA], None),
     ("qlora 1 rank", 1, [*QLORA, "--grad-accum", "2"], 1e-5),
@@ -392,6 +322,8 @@ QLORA_RUNS = [
 # LoRA in bf16, and with its frozen base's matmuls in float8 (precision.float8; CPUs run float8
 # matmuls too): (name, ranks, flags). Every run has the same micro-batches.
 LORA_BF16 = ["--lora-rank", "4", "--param-dtype", "bfloat16"]
+
+
 FLOAT8_LORA_RUNS = [
     ("lora bf16", 2, [*LORA_BF16, "--grad-accum", "2"]),
     ("lora float8 tensorwise, 1 rank", 1, [*LORA_BF16, "--grad-accum", "4", "--float8", "tensorwise"]),

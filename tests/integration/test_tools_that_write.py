@@ -5,49 +5,8 @@ import os
 
 import pytest
 
-from helpers import run_cli, run_demo
+from helpers import file_tree, run_cli, run_demo
 from sft import atomic
-
-
-def tree(root) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-@pytest.mark.parametrize("what", ["a user's file", "a file in the way", "a .tmp of someone else's"])
-def test_a_directory_write_never_replaces_what_is_there(tmp_path, what):
-    out = tmp_path / "out"
-    if what == "a user's file":
-        out.mkdir()
-        (out / "notes.txt").write_text("mine")
-    elif what == "a file in the way":
-        out.write_text("mine")
-    else:
-        (tmp_path / "out.tmp").mkdir()
-        (tmp_path / "out.tmp" / "notes.txt").write_text("mine")
-    before = tree(tmp_path)
-    with pytest.raises(atomic.PathInTheWay):
-        with atomic.directory(out) as tmp:
-            (tmp / "written").write_text("new")
-    assert tree(tmp_path) == before
-
-
-def test_a_directory_write_takes_an_empty_directory_and_cleans_up_after_itself(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()  # made beforehand by the user: empty, so nothing is lost
-    with atomic.directory(out) as tmp:
-        (tmp / "a").write_text("1")
-    assert tree(tmp_path) == {"out/a": b"1"}
-    # A failing write leaves nothing; an interrupted one's leftover (our mark in it) is taken over.
-    with pytest.raises(KeyError):
-        with atomic.directory(tmp_path / "failed") as tmp:
-            raise KeyError("a bug")
-    assert sorted(os.listdir(tmp_path)) == ["out"]
-    (tmp_path / "killed.tmp").mkdir()
-    (tmp_path / "killed.tmp" / atomic.PARTIAL).touch()
-    (tmp_path / "killed.tmp" / "half").write_text("x")
-    with atomic.directory(tmp_path / "killed") as tmp:
-        (tmp / "b").write_text("2")
-    assert tree(tmp_path / "killed") == {"b": b"2"} and not (tmp_path / "killed.tmp").exists()
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +23,12 @@ def test_export_into_an_existing_directory_or_file_is_one_line_and_loses_nothing
     """The reported case: `python -m sft.export runs/x/checkpoints/step-2 runs/x` deleted the run."""
     from sft.export import main
 
-    before = tree(finished)
+    before = file_tree(finished)
     out = finished / target
     status, _, err = run_cli(main, [str(finished / "run" / "checkpoints" / "step-2"), str(out)], capsys)
     assert status == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"error: cannot export to {out}: {out}") and "give a new directory" in err
-    assert tree(finished) == before
+    assert file_tree(finished) == before
 
 
 @pytest.mark.slow
@@ -82,14 +41,6 @@ def test_export_into_a_new_directory_from_anywhere(finished, tmp_path, monkeypat
     assert status == 0, err
     assert (tmp_path / "new" / "export" / "config.json").is_file() and not (tmp_path / "new" / "export.tmp").exists()
     assert not (tmp_path / "new" / "export" / atomic.PARTIAL).exists()
-
-
-def test_plot_of_a_missing_run_is_one_line(tmp_path, capsys):
-    from sft.plot import main
-
-    status, _, err = run_cli(main, [str(tmp_path / "no-such-run")], capsys)
-    assert status == 2 and err == f"error: {tmp_path / 'no-such-run'}: no metrics.jsonl there; give a run directory " \
-                                  "(<train.output_dir>/<train.run_name>)\n"
 
 
 @pytest.mark.slow

@@ -1,0 +1,47 @@
+"""What a LoRA checkpoint's adapters were trained on, as its train state records it (`lora`): the
+base (where it comes from, a fingerprint of its weights) and the adapters' rank, alpha and targets;
+and the check at resume, which refuses another base or scale unless asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from sft.checkpoint.layout import CheckpointError
+from sft.config import LoRAConfig, ModelConfig
+from sft.distributed import log0
+from sft.models.weights import base_identity
+
+
+def lora_record(model_cfg: ModelConfig, lora: LoRAConfig, seed: int, model: nn.Module) -> dict:
+    """The record of a run's adapters (rank 0 reads the base's files: sft/models/weights.py:base_identity)."""
+    return {**base_identity(model_cfg, seed, model), "rank": lora.rank, "alpha": lora.alpha,
+            "target_modules": lora.target_modules}
+
+
+def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: bool) -> None:
+    """Refuse (CheckpointError) to resume the LoRA checkpoint `path`, whose train state records
+    `saved`, onto a base or a scale (`ours`) other than those its adapters were trained with, unless
+    `allowed`; or with adapters of another shape, which cannot load. A checkpoint from before the
+    record existed is taken as it is."""
+    if saved is None:
+        return
+    shape = ("rank", "target_modules")
+    if any(saved[key] != ours[key] for key in shape):
+        raise CheckpointError(
+            f"{path} holds adapters of lora.rank={saved['rank']} on lora.target_modules={saved['target_modules']}, "
+            f"this run asks for lora.rank={ours['rank']} on {ours['target_modules']}: set them as the checkpoint "
+            "has, or start fresh with checkpoint.resume=none")
+    changed = []
+    if saved["weights"] != ours["weights"]:
+        changed.append(f"base {saved['base']} ({saved['weights']}) -> {ours['base']} ({ours['weights']})")
+    if saved["alpha"] != ours["alpha"]:
+        changed.append(f"lora.alpha {saved['alpha']} -> {ours['alpha']}")
+    if changed and not allowed:
+        raise CheckpointError(
+            f"{path} was trained on another base or scale than this run's ({'; '.join(changed)}): resume with the "
+            "base and lora.alpha it was trained with, start fresh with checkpoint.resume=none, or set "
+            "lora.allow_resume_change=true to train these adapters on this base anyway")
+    if changed:
+        log0(f"warning: resuming {path} with {'; '.join(changed)} (lora.allow_resume_change=true)")

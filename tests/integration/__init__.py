@@ -1,0 +1,2 @@
+"""The integration tier: tests that launch train.py, torchrun or a Python of their own (marked slow
+by tests/conftest.py)."""
