@@ -83,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     built = build_training_model(cfg, dims, env.device)
     model, moe = built.model, built.moe
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
-    precompute_scales_after_each_step(optimizer, model, cfg.precision.float8, built.lora)  # float8 all-gathers
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.
     state, loaded = ckpt.restore(resume_from, model, built.lora, optimizer, scheduler, global_batch, total_steps)
+    # Only now: restoring the optimizer runs a step (of lr 0) on the weights before they load.
+    precompute_scales_after_each_step(optimizer, model, cfg.precision.float8, built.lora)  # float8 all-gathers
     rss = host_peak_rss_per_rank(env)
     log0(f"{loaded}; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         # A step's numbers are read once the next step's work is queued, but where they are needed now.
         stopped = metrics.log_ended(logger, now=save_now or eval_now or step == total_steps)
         profiler.step_ends(step)
-        ckpt.step_done(model, optimizer)  # commits a background save; after the first step, makes staging buffers
+        ckpt.step_done(model, optimizer, stopped)  # commits a background save; after step 1: staging buffers
         if stopped:
             break
         if save_now:

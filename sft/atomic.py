@@ -91,7 +91,12 @@ def directory(final: Path) -> Iterator[Path]:
 
     Nothing that was there before is removed or overwritten: `final` must not exist (or be an empty
     directory), else PathInTheWay; a `<final>.tmp` is removed only when an interrupted write of
-    ours left it (it holds our mark), else PathInTheWay too. A failing block removes its `.tmp`."""
+    ours left it (it holds our mark), else PathInTheWay too; so is a symbolic link. A failing block
+    removes its `.tmp`; the mark goes only once everything is durable, so a kill at any moment leaves
+    a `.tmp` that the next write to `final` removes."""
+    if final.is_symlink():
+        raise PathInTheWay(f"{final} is a symbolic link")
+    final = Path(os.path.abspath(final))  # `.` and `out/..` have a name only absolute
     if final.is_dir() and any(final.iterdir()) or final.exists() and not final.is_dir():
         raise PathInTheWay(f"{final} already exists" + (" and is not empty" if final.is_dir() else " (a file)"))
     tmp = final.with_name(final.name + ".tmp")
@@ -103,6 +108,7 @@ def directory(final: Path) -> Iterator[Path]:
     (tmp / PARTIAL).touch()
     try:
         yield tmp
+        make_durable(tmp)  # the slow part (a large export's writeback), while the mark still says ours
         (tmp / PARTIAL).unlink()
         if final.is_dir():
             final.rmdir()  # empty (checked above): the rename takes its place

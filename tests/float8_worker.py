@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_float8.py: float8 through the real FSDP2 path on gloo ranks.
+"""Run under torchrun by tests/integration/test_float8.py: float8 through the real FSDP2 path on gloo ranks.
 
 Builds the model as train.py does with `--float8` (no compile: CPU tests stay fast), loads the
 random init, or resumes from `--resume` (a checkpoint written by
@@ -21,7 +21,7 @@ from sft.checkpoint.manager import Checkpointer
 from sft.data.collate import collate
 from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionConfig
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.models.float8 import fuse_weight_casts, precompute_float8_scales
+from sft.models.float8 import fuse_weight_casts, precompute_scales_after_each_step
 from sft.training.loss import forward_backward, loss_inputs
 from sft.models.build import clean_name, load_tokenizer
 from sft.models.weights import initial_weights, load_weights
@@ -84,6 +84,7 @@ def main() -> None:
     else:
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
         result["loaded"] = full_params(model)
+    precompute_scales_after_each_step(optimizer, model, args.float8)  # as train.py does, after the load
     samples = synthetic_global_batch(8)
     per_rank = len(samples) // env.world_size
     batch = collate(samples[env.rank * per_rank:(env.rank + 1) * per_rank], 0, 4096)
@@ -94,7 +95,6 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        precompute_float8_scales(model, args.float8)  # as train.py does after every step
     result["losses"] = losses
     result["trained"] = full_params(model)
     result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in model.parameters()})

@@ -219,3 +219,18 @@ def hf_moe_model(path: Path = DEMO_MOE_MODEL, seed: int = 0, **overrides):
     config = AutoConfig.from_pretrained(path, **overrides)
     config.use_cache = False
     return AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+
+
+def gated_deltanet_model_dir(tmp: Path) -> Path:
+    """A tiny Qwen3.5 text model (Gated DeltaNet layers, then full attention: transformers' own
+    config class) with the demo tokenizer."""
+    from transformers import AutoConfig
+
+    out = tmp / "model_qwen3_5"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        AutoConfig.for_model("qwen3_5_text", vocab_size=899, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             eos_token_id=2, pad_token_id=0).save_pretrained(out)
+    return out
+

@@ -9,15 +9,17 @@ from pathlib import Path
 from torch import nn
 
 from sft.checkpoint.layout import CheckpointError
-from sft.config import LoRAConfig, ModelConfig
+from sft.config import ModelConfig
 from sft.distributed import log0
+from sft.models.lora import LoRA
 from sft.models.weights import base_identity
 
 
-def lora_record(model_cfg: ModelConfig, lora: LoRAConfig, seed: int, model: nn.Module) -> dict:
-    """The record of a run's adapters (rank 0 reads the base's files: sft/models/weights.py:base_identity)."""
-    return {**base_identity(model_cfg, seed, model), "rank": lora.rank, "alpha": lora.alpha,
-            "target_modules": lora.target_modules}
+def lora_record(model_cfg: ModelConfig, lora: LoRA, seed: int, model: nn.Module, prepared: Path | None) -> dict:
+    """The record of a run's adapters (rank 0 reads the base's files: sft/models/weights.py:base_identity;
+    `prepared`: the prepared-model cache the base was loaded from, if it was)."""
+    return {**base_identity(model_cfg, seed, model, prepared), "rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
+            "target_modules": lora.targets}
 
 
 def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: bool) -> None:
@@ -30,9 +32,9 @@ def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: boo
     shape = ("rank", "target_modules")
     if any(saved[key] != ours[key] for key in shape):
         raise CheckpointError(
-            f"{path} holds adapters of lora.rank={saved['rank']} on lora.target_modules={saved['target_modules']}, "
-            f"this run asks for lora.rank={ours['rank']} on {ours['target_modules']}: set them as the checkpoint "
-            "has, or start fresh with checkpoint.resume=none")
+            f"{path} holds rank-{saved['rank']} adapters on {', '.join(saved['target_modules'])}, this run asks for "
+            f"rank {ours['rank']} on {', '.join(ours['target_modules'])}: set lora.rank and lora.target_modules as "
+            "the checkpoint has, or start fresh with checkpoint.resume=none")
     changed = []
     if saved["weights"] != ours["weights"]:
         changed.append(f"base {saved['base']} ({saved['weights']}) -> {ours['base']} ({ours['weights']})")

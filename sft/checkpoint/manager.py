@@ -108,6 +108,7 @@ class Checkpointer:
         self._stepped = False  # whether this run has taken a step (step_done)
         self.skipped: set[Path] = set()  # damaged checkpoints resume_point passed over
         self._lora: LoRA | None = None  # the model's LoRA handle (restore), None without LoRA
+        self._prepared: Path | None = None  # the prepared-model cache the weights came from, if they did
         self._lora_record: dict | None = None  # what this LoRA run's adapters are fitted to (rank 0)
 
     def resume_point(self, auto: bool) -> Path | None:
@@ -184,7 +185,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         loaded = None if resume_from is not None and not lora else self._model_weights(model)
         if lora:  # read now, while the base is surely where it was loaded from
-            decided_on_rank0(lambda: self.lora_record(model))
+            decided_on_rank0(lambda: self.lora_record(model), long_wait=True)
         if resume_from is None:
             return {"step": 0, "tokens_seen": 0}, f"{loaded} in {time.perf_counter() - t0:.1f} s"
         state = self._load(resume_from, model, optimizer, scheduler)
@@ -204,6 +205,7 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
             initialise_adapters(model, self.cfg.train.seed, self.env.device)
+            self._prepared = prepared
             return f"loaded the prepared-model cache {prepared}"
         load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
         source = self.cfg.model.name_or_path if self.cfg.model.init == "pretrained" else "random init"
@@ -306,14 +308,15 @@ class Checkpointer:
     def lora_record(self, model: nn.Module) -> dict:
         """Rank 0: what this LoRA run's adapters are fitted to (sft/checkpoint/lora_record.py)."""
         if self._lora_record is None:
-            self._lora_record = lora_record(self.cfg.model, self._lora.cfg, self.cfg.train.seed, model)
+            self._lora_record = lora_record(self.cfg.model, self._lora, self.cfg.train.seed, model, self._prepared)
         return self._lora_record
 
-    def step_done(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer) -> None:
+    def step_done(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer, stopping: bool = False) -> None:
         """Collective, after every optimizer step: commit a background save once every rank has
-        written it; after this run's first step, start making the staging buffers."""
+        written it; after this run's first step, start making the staging buffers (not when the run
+        is `stopping`: the stop-save is synchronous)."""
         self._poll()
-        if not self._stepped:
+        if not self._stepped and not stopping:
             self._stepped = True
             self._prepare_staging(model, optimizer)
 

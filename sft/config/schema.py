@@ -30,7 +30,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow custom modeling code from the hub. Off unless you trust the repository."""
     attn_implementation: str = "sdpa"
-    """Attention kernel passed to transformers (sdpa, eager, flex_attention, flash_attention_2, ...)."""
+    """Attention kernel passed to transformers (sdpa, eager, flex_attention, flash_attention_2, ...).
+    Where the architecture cannot run it (gpt-oss has no sdpa), the run says so once and uses
+    flex_attention on GPUs or eager; exports and sft.chat do not depend on it."""
     prepared_cache: str | None = None
     """A directory for a one-time sharded (DCP) copy of the loaded float32 model: the first run
     writes it, later runs of the same model load it instead of the Hugging Face files. Only a run

@@ -110,6 +110,29 @@ def _field_read_by(template: str) -> str | None:
     return next((field for field in REASONING_FIELDS if field in read), None)
 
 
+def joined_content_parts(messages: list) -> list:
+    """The messages with OpenAI content parts (`[{"type": "text", "text": ...}, ...]`, the format of
+    multimodal-era datasets) as the text a string-content chat template renders: the text parts
+    joined by newlines, as vLLM joins them for such templates at inference. A part of another type
+    (an image, audio) drops the sample: training on it is not supported yet."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) for part in content):
+                raise DropSample(f"{m.get('role')} content is a list of other things than content parts "
+                                 "({\"type\": \"text\", \"text\": ...})")
+            other = next((part.get("type") for part in content if part.get("type") != "text"), None)
+            if other is not None:
+                raise DropSample(f"{m.get('role')} content has a {other!r} part: only text parts train (images and "
+                                 "audio are not supported yet)")
+            m = {**m, "content": "\n".join(part.get("text") or "" for part in content)}
+        out.append(m)
+    return out
+
+
 def validate_messages(messages: Any) -> None:
     """Raise DropSample unless `messages` is a list of {role, content} with known roles."""
     if not isinstance(messages, list) or not messages:
@@ -252,6 +275,7 @@ def render_rows(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools:
                 last_turn_only: bool = False, template_kwargs: dict | None = None) -> tuple[list[RowPlan], int]:
     """The conversation's training rows (see the module docstring) and how many of its assistant turns
     carry reasoning. Raises DropSample."""
+    messages = joined_content_parts(messages)
     validate_messages(messages)
     messages, reasoning_turns = normalise_reasoning(messages, reasoning_field(tokenizer))
     template_kwargs = template_kwargs or {}

@@ -93,20 +93,37 @@ def _model_config(cfg: ModelConfig) -> PretrainedConfig:
                          "local model directory, or a hub name this machine can reach") from None
 
 
+# What an architecture's class says of each attention implementation it can run.
+_SUPPORTS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+             "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
+    """`wanted` (model.attn_implementation) where the architecture can run it, else the first it can of
+    flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture has
+    (gpt-oss: no SDPA, for its attention sinks). Remote code: `wanted`, for transformers to judge."""
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if cls is None or getattr(cls, _SUPPORTS.get(wanted, ""), True):
+        return wanted
+    return "flex_attention" if torch.cuda.is_available() and cls._supports_flex_attn else "eager"
+
+
 def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
-    """The model with parameters on the meta device (float32) and real float32 buffers."""
+    """The model with parameters on the meta device (float32) and real float32 buffers, its attention
+    the configured one where the architecture can run it here (runnable_attention)."""
     config = _model_config(cfg)
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
         with parameters_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=cfg.attn_implementation,
+                                                     attn_implementation=runnable_attention(config,
+                                                                                            cfg.attn_implementation),
                                                      trust_remote_code=cfg.trust_remote_code)
     except (ValueError, ImportError) as e:  # transformers refuses the config, or the attention kernel here
         reason = " ".join(str(e).split())
         if "ttention" in reason:
             raise ModelError(f"model.attn_implementation={cfg.attn_implementation!r}: {reason}; use sdpa (or "
-                             "flex_attention for packed rows)") from None
+                             "flex_attention for packed rows, eager where neither runs)") from None
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: transformers cannot build a model from its "
                          f"config.json ({reason})") from None
     model.tie_weights()  # from_config under init_empty_weights leaves tied embeddings as two tensors
@@ -145,6 +162,34 @@ def attends_fully(model: PreTrainedModel) -> bool:
             and not getattr(config, "attn_logit_softcapping", None))
 
 
+# Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
+# packed document sees only itself once its positions restart. Any other kind (linear_attention:
+# Gated DeltaNet, Mamba, lightning attention; conv) carries its state into the next document.
+STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
+# Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
+_STATEFUL_MIXERS = ("Mamba", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention")
+
+
+def stateful_layers(model: PreTrainedModel) -> str | None:
+    """The layers of `model` that carry state along a row (recurrent or convolutional: Qwen3.5's and
+    Qwen3-Next's Gated DeltaNet, Mamba hybrids, MiniMax's lightning attention), named for a message;
+    None when every layer attends or is an MLP."""
+    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or []) - STATELESS_LAYERS
+    mixers = sorted({type(m).__name__ for m in model.modules() if any(k in type(m).__name__ for k in _STATEFUL_MIXERS)})
+    if not kinds and not mixers:
+        return None
+    return f"{type(model).__name__}'s {' and '.join(sorted(kinds) or ['recurrent'])} layers ({', '.join(mixers)})"
+
+
+def check_packing(model: PreTrainedModel, packing: bool) -> None:
+    """data.packing: refused for a model whose layers carry state from one document of a packed row
+    into the next (positions restart per document; a recurrent state does not): one line naming them."""
+    if packing and (layers := stateful_layers(model)):
+        raise ModelError(f"data.packing=true: {layers} carry their state from one packed document into the "
+                         "next, mixing documents; set data.packing=false (exact packing of these layers needs "
+                         "the varlen kernels of flash-linear-attention, not used yet)")
+
+
 def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
     """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
     model). The one rule: context parallelism refuses these, and the planner never suggests a
@@ -152,6 +197,8 @@ def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
     config = model.config.get_text_config()
     if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
         return "mixture-of-experts models are not supported yet"
+    if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
+        return f"{layers} carry state along the row"
     if not attends_fully(model):
         return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
     if getattr(config, "attention_dropout", 0.0):

@@ -172,7 +172,7 @@ def fuse_weight_casts() -> None:
     block. On 2 x H100 (P-7B) that was 95 ms of a 705 ms traced step on FSDP's all-gather copy-in
     stream, competing with the compute for memory bandwidth; fused, the step ran 4.8% faster
     (docs/BENCHMARKS.md). Compiled, the shard is read once and the float8 copy written once: the
-    same bytes (tests/test_float8.py). Replaces the method of torchao's weight class, the only place
+    same bytes (tests/integration/test_float8.py). Replaces the method of torchao's weight class, the only place
     FSDP2 asks for the all-gather's input; before the first precomputed scale torchao's own path
     (amax, then cast) still runs."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
@@ -197,7 +197,9 @@ def fuse_weight_casts() -> None:
 def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module, recipe: str,
                                       lora: LoRA | None = None) -> None:
     """Make `precompute_float8_scales` an optimizer post-step hook, where it does anything: it must
-    follow every step, the next step's float8 all-gathers use the scales it computes."""
+    follow every step, the next step's float8 all-gathers use the scales it computes. Register it once
+    the weights are loaded: DCP's restore of an optimizer state runs a step (of lr 0) first, when the
+    weights may still be uninitialised memory, and a scale computed then would be used once."""
     if recipe == "tensorwise" and not lora:
         optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(model, recipe))
 

@@ -55,7 +55,7 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Pa
 def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
     """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
     whose hub files hold one tensor per expert: (prefix rename, gate, up, down names); from the one
-    table of MoE architectures (sft/models/moe.py)."""
+    table of MoE architectures (sft/models/moe_layouts.py)."""
     layout = LAYOUTS.get(model_type)
     return layout.hub_experts if layout else None
 

@@ -104,6 +104,7 @@ class LoRA:
 
     cfg: LoRAConfig
     layers: list[LoRALinear]
+    targets: list[str]  # the short names of the adapted layers (q_proj, ...), sorted
     summary: str
 
     def nf4_parameters(self) -> set[nn.Parameter]:
@@ -164,7 +165,8 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
         in_full += "; base weights of the adapted layers in NF4" + (
             f" but {', '.join(unquantized)}, which do not split into NF4 groups of {NF4_GROUP} values"
             if unquantized else "")
-    return LoRA(cfg, adapted, f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers "
+    return LoRA(cfg, adapted, sorted(targets),
+                f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers "
                 f"({', '.join(sorted(targets))}){in_full}: {trained / 1e6:.2f}M of "
                 f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters train")
 

@@ -205,12 +205,15 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
     return rank0_first(opened)
 
 
-def base_identity(cfg: ModelConfig, seed: int, model: nn.Module) -> dict[str, str]:
+def base_identity(cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None = None) -> dict[str, str]:
     """What a LoRA run's frozen base is, as its checkpoints record it: `base`, where it comes from
     (a local directory by its absolute path, so that an export names it from anywhere, or a hub id),
-    and `weights`, a fingerprint that changes when the weights do (or the seed of a random init)."""
+    and `weights`, a fingerprint that changes when the weights do (or the seed of a random init; the
+    prepared-model cache the run loaded them from, by its path: `prepared`)."""
     path = Path(cfg.name_or_path).expanduser()
     base = str(path.resolve()) if path.is_dir() else cfg.name_or_path
+    if prepared is not None:
+        return {"base": base, "weights": f"model.prepared_cache={prepared.resolve()}"}
     if cfg.init != "pretrained":
         return {"base": base, "weights": f"random init, train.seed={seed}"}
     return {"base": base, "weights": SafetensorsWeights(cfg.name_or_path, model, seed).digest()}

@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 
 from sft.config import DTYPES, Config
 from sft.distributed import log0, rank0_first
-from sft.models.build import build_meta_model, decoder_blocks, materialize, real_buffers, use_causal_sdpa
+from sft.models.build import (build_meta_model, check_packing, decoder_blocks, materialize, real_buffers,
+                              use_causal_sdpa)
 from sft.models.lora import LoRA, apply_lora
 from sft.models.moe import MoE, apply_moe
 from sft.parallel.mesh import ParallelDims
@@ -36,6 +37,10 @@ class TrainingModel:
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
     """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
     model = rank0_first(lambda: build_meta_model(cfg.model))
+    rank0_first(lambda: check_packing(model, cfg.data.packing))  # one line, before anything is allocated
+    if (attention := model.config._attn_implementation) != cfg.model.attn_implementation:
+        log0(f"attention: {type(model).__name__} cannot run model.attn_implementation={cfg.model.attn_implementation} "
+             f"here; using {attention} (model.attn_implementation chooses)")
     if use_causal_sdpa(model, cfg.data.packing):  # rows of one sequence: no mask, no wait for the GPU to build one
         log0("attention: causal SDPA, no mask (rows of one sequence)")
     # MoE models: our routing, experts and load-balancing loss (rank 0 first: one error)

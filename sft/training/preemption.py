@@ -61,8 +61,8 @@ def _orphaned() -> bool:
 class StopRequest:
     """Whether this rank was asked to stop: a signal, (`stop_file`, watched by rank 0) a stop
     request written after this process started (an older one was for an earlier job), or, under
-    torchrun, the launcher's death. Created first thing, before the rendezvous: until the first
-    `requested`, a dead launcher ends the process (module docstring)."""
+    torchrun, the launcher's death. Created first thing, before the rendezvous: until
+    `training_begins`, a dead launcher ends the process (module docstring)."""
 
     def __init__(self, stop_file: Path, started_at: float,
                  signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)):
@@ -71,7 +71,7 @@ class StopRequest:
         self.started_at = started_at
         for sig in signals:
             signal.signal(sig, self._handle)
-        self._training = threading.Event()  # set by the first `requested`: the loop handles a dead launcher
+        self._training = threading.Event()  # set by training_begins: the loop handles a dead launcher
         if _LAUNCHER is not None:
             threading.Thread(target=self._exit_if_orphaned_before_training, name="launcher-watch", daemon=True).start()
 

@@ -171,6 +171,8 @@ class RunDirectory:
                     self._move_aside(replaced, SET_ASIDE, f"checkpoints after step {start_step}")
                 if self.cfg.checkpoint.export_hf and (self.path / EXPORT).exists():  # a finished run trained further
                     self._move_aside([EXPORT], SET_ASIDE, "the previous export")
+                if (self.path / f"{EXPORT}.tmp").exists():  # an export killed midway: the run owns the name
+                    self._move_aside([f"{EXPORT}.tmp"], SET_ASIDE, "an unfinished export")
             (self.path / FINISHED).unlink(missing_ok=True)
             (self.path / STOPPED_MARKER).unlink(missing_ok=True)  # a requeued run is running again
             self.path.mkdir(parents=True, exist_ok=True)

@@ -174,8 +174,9 @@ def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous,
         "another alpha": (["lora.alpha=8"], "lora.alpha 32.0 -> 8.0): resume with the base and lora.alpha it was "
                                             "trained with, start fresh with checkpoint.resume=none, or set "
                                             "lora.allow_resume_change=true"),
-        "another rank": (["lora.rank=8"], "holds adapters of lora.rank=16 on lora.target_modules=['all-linear'], this "
-                                          "run asks for lora.rank=8 on ['all-linear']: set them as the checkpoint has"),
+        "another rank": (["lora.rank=8"], "holds rank-16 adapters on down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                          "up_proj, v_proj, this run asks for rank 8 on down_proj, gate_proj, k_proj, "
+                                          "o_proj, q_proj, up_proj, v_proj: set lora.rank and lora.target_modules"),
     }
     for case, (overrides, said) in cases.items():
         proc = run_demo(demo_data, tmp_path, case.replace(" ", "_"), f"model.name_or_path={continuous / 'base'}",

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from helpers import hf_moe_model, run_torchrun
+from helpers import gpt_oss_model_dir, hf_moe_model, run_demo, run_torchrun
 from sft.config import MoEConfig
 from sft.training.metrics import read_metrics
-from sft.models.moe import (apply_moe)
+from sft.models.moe import apply_moe
 
 
 @pytest.mark.slow
@@ -77,3 +77,18 @@ def test_compiled_block_keeps_the_load_balancing_gradient(dtype):
     assert aux_eager.norm() > 0.1 * router_grads[0.0, False].norm()
     # a difference of two gradients: in bf16 each carries its own rounding, so compare norms
     assert (aux_compiled - aux_eager).norm() < (0.05 if dtype == torch.bfloat16 else 1e-4) * aux_eager.norm()
+
+
+def test_gpt_oss_trains_and_exports_with_the_default_attention(tmp_path, demo_data):
+    """gpt-oss has no SDPA (its attention sinks): with the default model.attn_implementation the run
+    says once that it uses eager on this CPU, trains, and its export (built without attention of
+    this machine's) loads back in transformers as gpt-oss."""
+    from transformers import AutoModelForCausalLM
+
+    proc = run_demo(demo_data, tmp_path, "gpt_oss", f"model.name_or_path={gpt_oss_model_dir(tmp_path)}",
+                    "model.init=random", "train.max_steps=2", "eval.every_steps=0", "checkpoint.export_hf=true")
+    said = [line for line in proc.stdout.splitlines() if "attention: GptOssForCausalLM" in line]
+    assert len(said) == 1 and said[0].endswith("cannot run model.attn_implementation=sdpa here; using eager "
+                                               "(model.attn_implementation chooses)"), proc.stdout[-2000:]
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "gpt_oss" / "export")).__name__ == "GptOssForCausalLM"
+

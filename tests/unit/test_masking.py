@@ -129,7 +129,8 @@ def test_truncation_before_any_answer_drops(chatml):
 @pytest.mark.parametrize("messages, reason", [
     ([{"role": "user", "content": "hi"}], "no assistant turn"),
     ([{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}], "unknown role 'robot'"),
-    ([{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}], "content is list"),
+    ([{"role": "user", "content": ["hi"]}, {"role": "assistant", "content": "x"}],
+     "user content is a list of other things than content parts"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "assistant message without content"),
     ([], "empty"),
 ])

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import DEMO_MODEL, REPO, supervised_spans
 from real_tokenizers import END_OF_TURN, real_tokenizer
-from sft.data.masking import tokenize_conversation
+from sft.data.masking import DropSample, tokenize_conversation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -89,6 +89,40 @@ def test_supervised_tokens_are_the_turns_own_tokens(template, case):
     assert ids[: supervised_spans(labels)[0][0]] == list(inference_prompt)
     # Nothing is left out: the row is the whole rendered conversation.
     assert tok.decode(ids) == tok.apply_chat_template(messages, tools=tools, tokenize=False)
+
+
+def as_parts(messages: list[dict]) -> list[dict]:
+    """The messages with each content as one OpenAI text part."""
+    return [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str) else m
+            for m in messages]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_content_parts_train_as_their_text(template, case):
+    """Rows whose content is a list of text parts train as the string they hold: the same tokens and
+    labels, so the supervised text is the turn's own (the test above)."""
+    _, tok = template
+    messages = CASES[case]
+    tools = TOOLS if any(m.get("tool_calls") for m in messages) else None
+    assert (tokenize_conversation(tok, as_parts(messages), tools, max_seq_len=4096)
+            == tokenize_conversation(tok, messages, tools, max_seq_len=4096))
+
+
+def test_several_text_parts_join_by_newlines_and_an_image_part_drops_the_row(template):
+    """Two text parts are one text with a newline between them (as vLLM joins them for a
+    string-content template); an image part drops the row with a reason that names it."""
+    name, tok = template
+    parts = [user([{"type": "text", "text": "Describe"}, {"type": "text", "text": "briefly."}]),
+             assistant([{"type": "text", "text": "A cat."}, {"type": "text", "text": "It sleeps."}])]
+    joined = [user("Describe\nbriefly."), assistant("A cat.\nIt sleeps.")]
+    (ids, labels), = tokenize_conversation(tok, parts, None, max_seq_len=4096)
+    assert (ids, labels) == tokenize_conversation(tok, joined, None, max_seq_len=4096)[0]
+    (start, end), = supervised_spans(labels)
+    assert tok.decode(ids[start:end]) == expected_turn_text(name, joined[1])
+    image = [user([{"type": "image_url", "image_url": {"url": "cat.png"}}, {"type": "text", "text": "What?"}]),
+             assistant("A cat.")]
+    with pytest.raises(DropSample, match="user content has a 'image_url' part: only text parts train"):
+        tokenize_conversation(tok, image, None, max_seq_len=4096)
 
 
 def test_whitespace_merges_are_real():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import OpCounter, gpt_oss_model_dir, hf_moe_model, moe_model_dir
+from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, hf_moe_model, moe_model_dir
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.models.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
@@ -193,3 +193,17 @@ def test_real_tokens_mark_everything_but_padding():
     assert padded["real_tokens"].tolist() == [[True] * 3 + [False] * 5, [True] * 5 + [False] * 3]
     packed = collate_packed([samples], pad_token_id=0, row_len=12)
     assert packed["real_tokens"].tolist() == [[True] * 8 + [False] * 4]
+
+
+def test_an_architecture_gets_an_attention_it_can_run(tmp_path):
+    """model.attn_implementation where the class can run it; gpt-oss (no SDPA: attention sinks) falls
+    back to eager on a CPU; an implementation asked for that the class has stays as asked."""
+    from sft.config import ModelConfig
+    from sft.models.build import build_meta_model
+
+    def built(path, attention: str) -> str:
+        return build_meta_model(ModelConfig(name_or_path=str(path), attn_implementation=attention)).config._attn_implementation
+
+    assert built(DEMO_MOE_MODEL, "sdpa") == "sdpa" and built(DEMO_MOE_MODEL, "eager") == "eager"
+    assert built(gpt_oss_model_dir(tmp_path), "sdpa") == "eager"
+    assert built(gpt_oss_model_dir(tmp_path), "flex_attention") == "flex_attention"

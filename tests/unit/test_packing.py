@@ -60,3 +60,24 @@ def test_best_fit_decreasing_places_every_sample_once():
     assert sorted(i for row in rows for i in row) == list(range(2000))
     assert max(sum(lengths[i] for i in row) for row in rows) <= 512
     assert sum(lengths) / (512 * len(rows)) > 0.98  # rows are nearly full
+
+
+def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_path):
+    """Qwen3.5's Gated DeltaNet layers (and their short convolutions) carry state along the row:
+    restarting positions per document does not restart it, so packing would mix documents. Refused,
+    naming the layers; context parallelism too. An attention-only model packs."""
+    from helpers import gated_deltanet_model_dir
+    from sft.config import ModelConfig
+    from sft.models.build import ModelError, build_meta_model, check_packing, cp_unsupported
+
+    hybrid = build_meta_model(ModelConfig(name_or_path=str(gated_deltanet_model_dir(tmp_path))))
+    with pytest.raises(ModelError) as err:
+        check_packing(hybrid, packing=True)
+    assert str(err.value).startswith("data.packing=true: Qwen3_5ForCausalLM's linear_attention layers "
+                                     "(Qwen3_5GatedDeltaNet) carry their state from one packed document into the "
+                                     "next, mixing documents; set data.packing=false")
+    check_packing(hybrid, packing=False)
+    assert cp_unsupported(hybrid, moe=False) == ("Qwen3_5ForCausalLM's linear_attention layers (Qwen3_5GatedDeltaNet) "
+                                                 "carry state along the row")
+    check_packing(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), packing=True)
+
