@@ -1,10 +1,6 @@
 """The checkpoint manager: the resume point, restore (the one place that decides where the
 weights come from), and saves, synchronous or in the background, committed by every rank at once.
-
-Data position: the sampler is a pure function of (seed, step, global batch), so the step is the
-data position. Resuming on another number of ranks with the same global batch (micro-batch x
-grad-acc x data-parallel ranks) continues with exactly the samples the original run would have seen.
-"""
+What a checkpoint holds, and why the step is the data position: sft/checkpoint/layout.py."""
 
 from __future__ import annotations
 
