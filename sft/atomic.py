@@ -55,6 +55,11 @@ def commit(tmp: Path, final: Path) -> None:
     else:
         tmp.chmod(0o666 & ~_umask())
         _fsync(tmp)
+    _rename(tmp, final)
+
+
+def _rename(tmp: Path, final: Path) -> None:
+    """Rename the durable `tmp` to `final` and fsync the parent, so the rename survives a crash."""
     if final.is_dir() and tmp.is_dir():
         # A directory cannot be renamed over a non-empty one: move the old one aside first, so
         # that at every instant one complete version exists under either name.
@@ -110,9 +115,10 @@ def directory(final: Path) -> Iterator[Path]:
         yield tmp
         make_durable(tmp)  # the slow part (a large export's writeback), while the mark still says ours
         (tmp / PARTIAL).unlink()
+        _fsync(tmp)  # the mark's removal
         if final.is_dir():
             final.rmdir()  # empty (checked above): the rename takes its place
-        commit(tmp, final)
+        _rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -101,7 +101,6 @@ class StopRequest:
 
     @property
     def requested(self) -> bool:
-        self._training.set()
         if self.signal_name is None and _orphaned():
             self.signal_name = LAUNCHER_GONE
         if self.signal_name is None and self.stop_file is not None:
