@@ -16,12 +16,14 @@ output shard, 5 GiB) and written as they come.
 from __future__ import annotations
 
 import argparse
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 
 from sft import atomic
 from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointError, checkpoint_problem, content_problem,
@@ -31,6 +33,7 @@ from sft.errors import UserError, run_command
 from sft.models.build import build_meta_model, load_tokenizer
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.models.peft_format import merged, write_adapter
+from sft.models.vision_language import KEPT, FileNames
 from sft.models.weights import initial_weights
 
 
@@ -71,16 +74,30 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
                 tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
                 # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
-                write_safetensors(to_hub_tensors(model.config.model_type,
-                                                 ((n, t.to(DTYPES[dtype])) for n, t in tensors)), tmp)
-                model.config.dtype = dtype
-                model.config.use_cache = True  # for inference
-                model.config.save_pretrained(tmp)
+                trained = to_hub_tensors(model.config.model_type, ((n, t.to(DTYPES[dtype])) for n, t in tensors))
+                kept = checkpoint / HF_FILES / KEPT
+                if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
+                    write_safetensors(_with_kept(trained, kept), tmp)
+                    shutil.copyfile(checkpoint / HF_FILES / "config.json", tmp / "config.json")
+                else:
+                    write_safetensors(trained, tmp)
+                    model.config.dtype = dtype
+                    model.config.use_cache = True  # for inference
+                    model.config.save_pretrained(tmp)
             load_tokenizer(model_cfg).save_pretrained(tmp)
     except atomic.PathInTheWay as e:
         raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
                         "over an existing one)") from None
     return "the LoRA adapter" if cfg.lora.enabled and not merge else "a Hugging Face model"
+
+
+def _with_kept(trained: Iterator[tuple[str, torch.Tensor]], kept: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A vision-language checkpoint's tensors as its files name them: the trained language model's
+    under the files' names, then the kept ones (vision tower...) as the files held them, one at a time."""
+    with safe_open(kept, framework="pt") as f:
+        names = FileNames.from_metadata(f.metadata())
+        yield from ((names.of(name), tensor) for name, tensor in trained)
+        yield from ((name, f.get_tensor(name)) for name in f.keys())
 
 
 def _trained_shapes(checkpoint: Path) -> dict[str, torch.Size]:

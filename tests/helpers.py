@@ -234,3 +234,33 @@ def gated_deltanet_model_dir(tmp: Path) -> Path:
                              eos_token_id=2, pad_token_id=0).save_pretrained(out)
     return out
 
+
+
+# Tiny vision-language checkpoints as transformers saves them (the language model's config as the
+# demo's where the family allows), each family with its text and vision configs.
+_TINY_TEXT = dict(vocab_size=899, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, eos_token_id=2, pad_token_id=0)
+VISION_LANGUAGE = {
+    # Qwen3.5: Gated DeltaNet and attention layers; files under model.language_model. (transformers 5)
+    "qwen3_5": dict(text_config=dict(_TINY_TEXT, layer_types=["linear_attention", "full_attention"]),
+                    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),
+    # Gemma-3: tied, sliding and global attention; files under language_model.model. (as published)
+    "gemma3": dict(text_config=dict(_TINY_TEXT, layer_types=["sliding_attention", "full_attention"]),
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14), mm_tokens_per_image=4),
+}
+
+
+def vision_language_model_dir(tmp: Path, model_type: str) -> Path:
+    """A tiny vision-language checkpoint of `model_type` (random weights, saved by transformers as
+    its ForConditionalGeneration class) with the demo tokenizer."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    out = tmp / f"model_{model_type}_vl"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        (out / "config.json").unlink()
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(model_type, **VISION_LANGUAGE[model_type])
+        AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    return out

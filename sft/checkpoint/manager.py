@@ -32,7 +32,7 @@ from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
 from sft.models.lora import LoRA, checkpointed_parameters
 from sft.models.peft_format import is_adapter
-from sft.models.weights import initial_weights, initialise_adapters, load_weights
+from sft.models.weights import initial_weights, initialise_adapters, load_weights, write_model_files
 from sft.training.optim import state_bytes
 
 
@@ -288,7 +288,7 @@ class Checkpointer:
                 if self._lora:
                     train_state = {**train_state, "lora": self.lora_record(model)}
                 (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state, "digests": True}, indent=2))
-                model.config.save_pretrained(tmp / HF_FILES)
+                write_model_files(self.cfg.model, model, tmp / HF_FILES)
                 self.tokenizer.save_pretrained(tmp / HF_FILES)
         except SAVE_FAILURES as e:  # every rank learns of it in finish(), which raises the one clear error
             error = e

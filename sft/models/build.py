@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
+from sft.models.vision_language import is_vision_language, language_model_config
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
 # which adds nothing).
@@ -73,14 +74,14 @@ def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> No
     embeddings (only its config.json is read: before the data, which it would tokenise for nothing).
     `python -m sft.data` shows data with any tokenizer."""
     if cfg.tokenizer:
-        vocab = _model_config(cfg).get_text_config().vocab_size
+        vocab = model_config(cfg).get_text_config().vocab_size
         if len(tokenizer) > vocab:
             raise ModelError(f"model.tokenizer={cfg.tokenizer!r} has {len(tokenizer)} tokens, but "
                              f"model.name_or_path={cfg.name_or_path!r} embeds {vocab}: use the model's own "
                              "tokenizer (remove model.tokenizer) or one of its vocabulary")
 
 
-def _model_config(cfg: ModelConfig) -> PretrainedConfig:
+def model_config(cfg: ModelConfig) -> PretrainedConfig:
     """model.name_or_path's config.json, or one line naming what to fix."""
     missing = missing_local_dir("model.name_or_path", cfg.name_or_path)
     if missing:
@@ -111,7 +112,16 @@ def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
 def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
     """The model with parameters on the meta device (float32) and real float32 buffers, its attention
     the configured one where the architecture can run it here (runnable_attention)."""
-    config = _model_config(cfg)
+    # A vision-language checkpoint: its language model (sft/models/vision_language.py)
+    config = model_config(cfg)
+    if is_vision_language(config) and cfg.init != "pretrained":  # the vision tower would have no weights to keep
+        raise ModelError(f"model.init={cfg.init!r}: model.name_or_path={cfg.name_or_path!r} is a vision-language "
+                         "checkpoint, trained on text from its pretrained weights; set model.init: pretrained, or "
+                         "give a directory with its text config alone for a random language model")
+    try:
+        config = language_model_config(config)
+    except UserError as e:
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: {e}") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
         with parameters_on_meta():

@@ -22,15 +22,17 @@ import torch
 import torch.distributed as dist
 from huggingface_hub import snapshot_download
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
-from sft.models.build import ModelError, build_meta_model, clean_name, missing_local_dir
+from sft.models.build import ModelError, build_meta_model, clean_name, missing_local_dir, model_config
 from sft.models.lora import initial_adapter, is_nf4, quantized
 from sft.models.peft_format import is_adapter
+from sft.models.vision_language import KEPT, file_names, is_vision_language, kept_names
 
 
 class SafetensorsWeights:
@@ -59,6 +61,10 @@ class SafetensorsWeights:
         self.model_type = model.config.model_type
         self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter(n)}
         self.seed = seed  # for what the files do not hold: LoRA adapters
+        # The language model of a vision-language checkpoint sits under a prefix of the files' own
+        # (sft/models/vision_language.py); the identity for a text model.
+        self.names = file_names(self._file_shapes_by_name(), model.base_model_prefix,
+                                tuple(model.get_input_embeddings().weight.shape))
 
     def digest(self) -> str:
         """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
@@ -95,19 +101,42 @@ class SafetensorsWeights:
         with handle as f:
             yield f
 
+    def _file_shapes_by_name(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in the files, by name (their headers only)."""
+        shapes = {}
+        for file in sorted(set(self.weight_map.values())):
+            with self._open(file) as f:
+                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        return shapes
+
+    def _expected(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The files' tensors that hold the model's parameters, by their names there, with their shapes."""
+        expected = {}
+        for name, shape in self.shapes.items():
+            if self.names.of(name) in shapes:
+                expected[self.names.of(name)] = shape
+            else:
+                expected.update({self.names.of(hub_name): hub_shape
+                                 for hub_name, hub_shape in hub.hub_shapes(self.model_type, name, shape).items()})
+        return expected
+
+    def kept(self) -> list[str]:
+        """The files' tensors the model does not hold (a vision-language checkpoint's vision tower)."""
+        return kept_names(self.weight_map, self._expected(self._file_shapes_by_name()))
+
+    def read_as_stored(self, name: str) -> torch.Tensor:
+        """Tensor `name` of the files, whole, in its stored dtype."""
+        with self._open(self.weight_map[name]) as f:
+            return f.get_tensor(name)
+
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads."""
-        shapes = {}
-        for file in sorted(set(self.weight_map.values())):  # headers only
-            with self._open(file) as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+        shapes = self._file_shapes_by_name()
         quantized = hub.quantized_experts_problem(self.source, shapes)
         if quantized:
             raise ModelError(quantized)
-        expected = {}
-        for name, shape in self.shapes.items():
-            expected.update({name: shape} if name in shapes else hub.hub_shapes(self.model_type, name, shape))
+        expected = self._expected(shapes)
         wrong = [f"{name}: {shape} in the model of config.json, {shapes.get(name, 'absent')} in the files"
                  for name, shape in expected.items() if shapes.get(name) != shape]
         if wrong:
@@ -116,14 +145,16 @@ class SafetensorsWeights:
                              f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
-        if name not in self.weight_map and hub.is_fused_expert(name):
+        """Slice `index` of the model's parameter (or hub tensor) `name`."""
+        if self.names.of(name) not in self.weight_map and hub.is_fused_expert(name):
             return hub.read_fused_slice(lambda hub, i: self.read(hub, i, device), self.model_type, name,
                                         self.shapes[name], index)
-        name = name if name in self.weight_map else hub.hub_name(self.model_type, name)
+        file_name = self.names.of(name)
+        file_name = file_name if file_name in self.weight_map else self.names.of(hub.hub_name(self.model_type, name))
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
-        with self._open(self.weight_map[name]) as f:
-            return f.get_slice(name)[index].to(device)
+        with self._open(self.weight_map[file_name]) as f:
+            return f.get_slice(file_name)[index].to(device)
 
 
 class RandomWeights:
@@ -203,6 +234,20 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
             weights.check()
         return weights
     return rank0_first(opened)
+
+
+def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> None:
+    """Rank 0: a checkpoint's model files (hf/): the model's config.json or, for a vision-language
+    checkpoint, the original config.json and the tensors of the files the run does not train, as
+    the files hold them (vision_language.KEPT), so that the export is the original checkpoint."""
+    config = model_config(cfg)
+    if not is_vision_language(config):
+        model.config.save_pretrained(directory)
+        return
+    config.save_pretrained(directory)
+    weights = SafetensorsWeights(cfg.name_or_path, model)
+    save_file({name: weights.read_as_stored(name) for name in weights.kept()}, directory / KEPT,
+              metadata={"format": "pt", **weights.names.metadata()})
 
 
 def base_identity(cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None = None) -> dict[str, str]:

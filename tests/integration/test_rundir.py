@@ -176,7 +176,7 @@ def test_config_errors_under_torchrun_are_reported_once(tmp_path, demo_data):
 
 def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
     """case -> (train.py overrides, what its one error line says)."""
-    from helpers import gated_deltanet_model_dir, model_dir
+    from helpers import gated_deltanet_model_dir, model_dir, vision_language_model_dir
     from sft.config import ModelConfig
     from sft.models.hub import write_safetensors
     from sft.models.weights import RandomWeights
@@ -240,6 +240,8 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
         "packing a Gated DeltaNet hybrid": ([f"model.name_or_path={gated_deltanet_model_dir(tmp_path)}",
                                              "data.packing=true"],
                                             "data.packing=true: Qwen3_5ForCausalLM's linear_attention layers"),
+        "random init of a vision-language checkpoint": ([f"model.name_or_path={vision_language_model_dir(tmp_path, 'qwen3_5')}"],
+                                                        "model.init='random': model.name_or_path="),
         "nf4 without LoRA": (["lora.base=nf4"], "lora.base='nf4': the frozen base of LoRA, and lora.rank=0 trains"),
         "no expert parallelism of 0": (["moe.ep_degree=0"], "moe.ep_degree=0: must be >= 1"),
         "lean state without plan.auto": (["plan.allow_lean_state=true"], "plan.allow_lean_state=True: lets plan.auto"),

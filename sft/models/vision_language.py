@@ -1,0 +1,96 @@
+"""Vision-language checkpoints, trained on text.
+
+Qwen3.5 ships as one checkpoint holding a language model and a vision tower (its config.json has a
+text_config and a vision_config), as do Gemma-3/4 from 4B, Mistral-3 and Llama-4. A text run trains
+the language model alone, built as the text class transformers ships for the text config
+(`Qwen3_5ForCausalLM` for `Qwen3_5TextConfig`). The vision tower, its projector and whatever else
+the files hold beyond the language model (Qwen3.5's multi-token-prediction head) are never loaded
+on a GPU, sharded, trained or given optimizer state: each checkpoint's hf/ keeps them, bytes as the
+files hold them (`KEPT`), beside the original config.json, so that an export is the original
+checkpoint: its config.json, its tensor names, the kept tensors byte for byte and the language
+model as trained. transformers loads it as the original class, and vLLM serves it.
+
+The files name the language model's tensors under a prefix of their own: "model.language_model."
+as transformers 5 saves Qwen3.5 and Qwen3-VL, "language_model.model." as Gemma-3, Mistral-3 and
+Llama-4 were published; the head is `lm_head.weight` or `language_model.lm_head.weight`. Both are
+found in the files (by the embedding's name and shape), not from a list of families.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from sft.errors import UserError
+
+# The kept tensors in a checkpoint's hf/; its metadata records the language model's names in the files.
+KEPT = "kept.safetensors"
+
+
+def is_vision_language(config: PretrainedConfig) -> bool:
+    """Whether config.json describes a model with a language model inside it (a text_config)."""
+    return config.get_text_config(decoder=True) is not config
+
+
+def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config the trained model is built from: `config`, or a vision-language config's text
+    config, its embeddings tied as the whole model ties them (the top-level setting governs)."""
+    if not is_vision_language(config):
+        return config
+    text = copy.deepcopy(config.get_text_config(decoder=True))
+    architecture = (config.architectures or [type(config).__name__])[0]
+    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None:
+        raise UserError(f"{architecture}: transformers has no causal language model class for its text config "
+                        f"({type(text).__name__}), so its language model cannot be trained alone yet")
+    tied = getattr(config, "tie_word_embeddings", None)
+    text.tie_word_embeddings = getattr(text, "tie_word_embeddings", False) if tied is None else tied
+    text.architectures = None  # it is the inner model, not the checkpoint's class
+    return text
+
+
+@dataclass(frozen=True)
+class FileNames:
+    """How a checkpoint's files name the parameters of the language model that is trained:
+    `<base>.X` as `prefix + X`, the head `lm_head.weight` as `head`. The identity for a text model."""
+    base: str = "model."
+    prefix: str = "model."
+    head: str = "lm_head.weight"
+
+    def of(self, name: str) -> str:
+        """The files' name of parameter (or hub tensor) `name` of the language model."""
+        if name == "lm_head.weight":
+            return self.head
+        return self.prefix + name.removeprefix(self.base) if name.startswith(self.base) else name
+
+    def metadata(self) -> dict[str, str]:
+        return {"sft.base": self.base, "sft.prefix": self.prefix, "sft.head": self.head}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> FileNames:
+        return cls(metadata["sft.base"], metadata["sft.prefix"], metadata["sft.head"])
+
+
+def file_names(file_shapes: dict[str, tuple[int, ...]], base: str, embedding: tuple[int, ...]) -> FileNames:
+    """Where the files keep the language model whose parameters are `<base>.X`: found by its token
+    embedding (`<base>.embed_tokens.weight`, of shape `embedding`), the only tensor of that name
+    and shape among the files' (`file_shapes`)."""
+    own = f"{base}.embed_tokens.weight"
+    if own in file_shapes:
+        return FileNames(f"{base}.", f"{base}.", "lm_head.weight")
+    found = [name for name, shape in file_shapes.items()
+             if name.endswith(".embed_tokens.weight") and tuple(shape) == tuple(embedding)]
+    if len(found) != 1:  # none: check() names what is missing; several: ambiguous, read as a text model
+        return FileNames(f"{base}.", f"{base}.", "lm_head.weight")
+    prefix = found[0].removesuffix("embed_tokens.weight")
+    heads = [name for name in file_shapes if name.endswith("lm_head.weight")]
+    return FileNames(f"{base}.", prefix, heads[0] if len(heads) == 1 else "lm_head.weight")
+
+
+def kept_names(file_names_: Iterable[str], trained: Iterable[str]) -> list[str]:
+    """The files' tensors that the trained model does not hold (its parameters, by their names in
+    the files: `trained`): the vision tower and the rest, kept as they are."""
+    trained = set(trained)
+    return sorted(name for name in file_names_ if name not in trained)
