@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
+        if moe:
+            moe.step_done()  # DeepSeek-V3-style routers: the correction bias follows the step's expert loads
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)

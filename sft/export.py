@@ -30,7 +30,7 @@ from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointErro
                                    read_train_state)
 from sft.config import DTYPES, Config, LoRAConfig, ModelConfig, is_local_path, read_resolved_config
 from sft.errors import UserError, run_command
-from sft.models.build import build_meta_model, load_tokenizer
+from sft.models.build import build_meta_model, load_tokenizer, persistent_buffers
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.models.peft_format import merged, write_adapter
 from sft.models.vision_language import KEPT, FileNames
@@ -60,8 +60,10 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
     cfg = read_resolved_config(checkpoint / CONFIG)
     model_cfg = ModelConfig(name_or_path=str(checkpoint / HF_FILES), trust_remote_code=cfg.model.trust_remote_code)
     model = build_meta_model(model_cfg)
-    # Parameters only, each once: a tied lm_head is the embedding and is re-tied on load.
+    # Parameters, each once (a tied lm_head is the embedding and is re-tied on load), and the buffers
+    # a checkpoint holds (DeepSeek-V3's router correction bias).
     shapes = {name: p.shape for name, p in model.named_parameters()}
+    shapes.update({name: b.shape for name, b in persistent_buffers(model).items()})
     # A LoRA run's base as its checkpoint records it: a local one by its absolute path, as training
     # found it (the export may run elsewhere); a checkpoint from before the record: the config's.
     base = read_train_state(checkpoint / TRAIN_STATE).get("lora", {}).get("base", cfg.model.name_or_path)
@@ -126,10 +128,11 @@ def _merged(checkpoint: Path, cfg: Config, base: str, model, shapes: dict) -> It
     trained = dict(_tensors(checkpoint, _trained_shapes(checkpoint)))
     base_cfg = ModelConfig(name_or_path=base, init=cfg.model.init, trust_remote_code=cfg.model.trust_remote_code)
     weights = initial_weights(base_cfg, cfg.train.seed, model)
+    built = persistent_buffers(model)  # a buffer the base's files lack keeps the architecture's init
     for name in shapes:
         weight = trained.get(name)
         if weight is None:
-            weight = weights.read(name, (), torch.device("cpu")).float()
+            weight = weights.read(name, (), torch.device("cpu")).float() if weights.holds(name) else built[name]
         yield name, merged(name, weight, trained, cfg.lora.scaling)
 
 

@@ -330,7 +330,8 @@ def empty_experts_probe(env) -> dict:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from sft.models.moe import LAYOUTS, GroupedExperts, run_local_experts
+    from sft.models.experts import GroupedExperts, run_local_experts
+    from sft.models.moe import _become
     from sft.parallel.expert_parallel import _shard_by_expert, run_experts_across_ranks
 
     def experts() -> GroupedExperts:
@@ -338,7 +339,8 @@ def empty_experts_probe(env) -> dict:
         hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
         for param in hf.parameters():
             torch.nn.init.normal_(param, std=0.2)
-        return GroupedExperts(hf, LAYOUTS["qwen3_moe"])
+        _become(hf, GroupedExperts)
+        return hf
 
     generator = torch.Generator().manual_seed(env.rank)
     ids = torch.randint(0, 2, (12,), generator=generator).sort().values
@@ -350,7 +352,12 @@ def empty_experts_probe(env) -> dict:
     spread = experts()
     _shard_by_expert(spread, mesh)
     received = torch.zeros(2)
-    spread.register_forward_pre_hook(lambda _, inputs: received.__setitem__(env.rank, inputs[0].shape[0]))
+    compute = spread.compute
+
+    def counted(rows: torch.Tensor, *args) -> torch.Tensor:  # the rows that arrived at this rank's experts
+        received[env.rank] = rows.shape[0]
+        return compute(rows, *args)
+    spread.compute = counted
     sent = run_experts_across_ranks(spread, rows, ids, 4, mesh.get_group())
     sent.square().sum().backward()
     result = {"max_output_error": all_reduce_sum([(sent - expected).abs().max().item()], env.device).item(),

@@ -264,3 +264,65 @@ def vision_language_model_dir(tmp: Path, model_type: str) -> Path:
         config = AutoConfig.for_model(model_type, **VISION_LANGUAGE[model_type])
         AutoModelForImageTextToText.from_config(config).save_pretrained(out)
     return out
+
+
+# A tiny random model of any architecture transformers ships, from its own config class: the keys
+# every family knows plus the mixture-of-experts, multi-head-latent and linear-attention ones
+# (a config class sets the keys it does not use as plain attributes).
+TINY = dict(vocab_size=899, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2, pad_token_id=0, bos_token_id=1,
+            num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, shared_expert_intermediate_size=32,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            tie_word_embeddings=False, max_position_embeddings=512)
+
+
+def tiny_config(model_type: str, **overrides):
+    """transformers' own config class of `model_type`, tiny (TINY, then `overrides`), no KV cache."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config.use_cache = False
+    return config
+
+
+def hf_eval_loss(model, data: Path, model_dir: Path) -> float:
+    """transformers' own loss of `model` on the demo's eval set (`data`/eval.jsonl, tokenised with
+    `model_dir`'s tokenizer), averaged over supervised tokens: what a demo run's eval reports."""
+    from sft.config import ModelConfig, load_config
+    from sft.data.collate import collate
+    from sft.data.prepare import load_sft_data
+    from sft.models.build import load_tokenizer
+
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data / 'train.jsonl'}",
+                                                       f"data.eval_path={data / 'eval.jsonl'}"])
+    _, evals = load_sft_data(cfg.data, load_tokenizer(ModelConfig(name_or_path=str(model_dir))), seed=0)
+    ce, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(evals), 8):
+            batch = collate([evals[i] for i in range(start, min(start + 8, len(evals)))], 0, 256)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            ce += model(**batch, use_cache=False).loss.item() * n
+            count += n
+    return ce / count
+
+
+def saved_model_dir(tmp: Path, model_type: str, **overrides) -> Path:
+    """A tiny random `model_type` model (tiny_config) saved by transformers, as a hub checkpoint is
+    laid out (MoE experts one tensor per expert), with the demo tokenizer; correction biases and
+    expert biases off zero, so that loading them is seen."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp / f"saved_{model_type}"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        (out / "config.json").unlink()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+        with torch.no_grad():
+            for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith("e_score_correction_bias") or (name.endswith("_bias") and "experts" in name):
+                    tensor.uniform_(-0.5, 0.5)
+        model.save_pretrained(out)
+    return out

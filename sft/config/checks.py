@@ -73,6 +73,8 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "state is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
           "optim.state_dtype=float32")
     check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
+    check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", cfg.moe.bias_update_rate,
+          "must be >= 0 (0 keeps the checkpoint's correction bias)")
     check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
           "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
           "optim.state_dtype / optim.master_dtype yourself")

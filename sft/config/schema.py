@@ -256,10 +256,12 @@ class MoEConfig:
     """Train the routers. False freezes them (the load-balancing loss then only reaches the hidden
     states through the router's input; set aux_loss_coef: 0 to drop it). With LoRA (lora.rank > 0)
     the routers are frozen with the rest of the base."""
-    router_fp32: bool = True
-    """Compute router logits, softmax and top-k in float32 from the upcast hidden states and gathered
-    router weight (under fsdp.param_dtype=bfloat16 that weight is its bf16-rounded copy), so close
-    scores pick experts as a float32 model would; false computes the logits in fsdp.param_dtype."""
+    bias_update_rate: float = 0.0
+    """DeepSeek-V3-style routers (DeepSeek-V3, Kimi-K2, Moonlight, GLM-4.5, MiniMax-M2), which choose
+    experts by their scores plus a correction bias (e_score_correction_bias): after each optimizer
+    step every bias moves by this much towards balance, up for the experts that got fewer tokens
+    than the mean over the step (all ranks), down for the others (DeepSeek-V3 used 0.001). 0 keeps
+    the checkpoint's bias, as the reference implementation does. Kept in checkpoints."""
     ep_degree: int = 1
     """Expert parallelism: each of this many consecutive ranks holds 1/ep_degree of every MoE
     block's experts (whole experts, FSDP-sharded over the other ranks) and the tokens routed to

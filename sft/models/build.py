@@ -227,6 +227,14 @@ def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
     return blocks
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds besides the parameters (DeepSeek-V3's router correction bias;
+    not rotary inv_freq, which is non-persistent), by their Hugging Face names."""
+    return {clean_name(f"{module_name}.{name}".lstrip(".")): buffer
+            for module_name, module in model.named_modules() for name, buffer in module._buffers.items()
+            if buffer is not None and name not in module._non_persistent_buffers_set}
+
+
 def real_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the (real, non-meta) buffers, to restore after `to_empty` overwrote them."""
     return {clean_name(n): b.detach().clone() for n, b in model.named_buffers()}

@@ -5,14 +5,13 @@ export (sft/export.py) both go through here."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
-from sft.models.moe_layouts import LAYOUTS
 
 # The largest safetensors shard written (Hugging Face's own default size).
 MAX_SHARD_BYTES = 5 * 2**30
@@ -52,12 +51,30 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Pa
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+@functools.cache
 def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
     """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
-    whose hub files hold one tensor per expert: (prefix rename, gate, up, down names); from the one
-    table of MoE architectures (sft/models/moe_layouts.py)."""
-    layout = LAYOUTS.get(model_type)
-    return layout.hub_experts if layout else None
+    whose hub files hold one tensor per expert: (the block's name in the files where it is not
+    `mlp`, gate, up, down names); None where the files hold them fused (gpt-oss). Read from the
+    renamings transformers itself applies when it loads the files (its conversion mapping), so every
+    family it ships is covered as it covers it."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        transforms = get_checkpoint_conversion_mapping(model_type) or []
+    except ImportError:  # a transformers without conversion mappings: fused in the files
+        return None
+    block, names = "", {}
+    for transform in transforms:
+        sources, targets = list(transform.source_patterns), list(transform.target_patterns)
+        if targets == [".mlp."] and len(sources) == 1:  # e.g. Mixtral's .block_sparse_moe.
+            block = sources[0].strip(".")
+        elif len(targets) == 1 and targets[0].endswith(("experts.gate_up_proj", "experts.down_proj")):
+            names[targets[0].rpartition(".")[2]] = [s.rpartition("experts.*.")[2].removesuffix(".weight")
+                                                    for s in sources]
+    if len(names.get("gate_up_proj", ())) != 2 or len(names.get("down_proj", ())) != 1:
+        return None
+    (gate, up), (down,) = names["gate_up_proj"], names["down_proj"]
+    return block, gate, up, down
 
 
 def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
@@ -77,10 +94,11 @@ def is_fused_expert(name: str) -> bool:
 
 
 def hub_name(model_type: str, name: str) -> str:
-    """The hub name of a non-expert parameter (Mixtral's router lives under block_sparse_moe)."""
+    """The hub name of a non-expert tensor (Mixtral's and MiniMax-M2's sparse blocks, their router
+    and bias included, live under block_sparse_moe)."""
     layout = hub_layout(model_type)
-    if layout and layout[0] and ".mlp.gate." in name:
-        return name.replace(".mlp.gate.", f".{layout[0]}.gate.")
+    if layout and layout[0] and ".mlp." in name:
+        return name.replace(".mlp.", f".{layout[0]}.")
     return name
 
 

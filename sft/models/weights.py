@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
-from sft.models.build import ModelError, build_meta_model, clean_name, missing_local_dir, model_config
+from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
+                              persistent_buffers, real_buffers)
 from sft.models.lora import initial_adapter, is_nf4, quantized
 from sft.models.peft_format import is_adapter
 from sft.models.vision_language import KEPT, file_names, is_vision_language, kept_names
@@ -124,6 +125,11 @@ class SafetensorsWeights:
         """The files' tensors the model does not hold (a vision-language checkpoint's vision tower)."""
         return kept_names(self.weight_map, self._expected(self._file_shapes_by_name()))
 
+    def holds(self, name: str) -> bool:
+        """Whether the files hold the model's tensor `name` (a buffer may be absent: its init stands)."""
+        return self.names.of(name) in self.weight_map or self.names.of(hub.hub_name(self.model_type, name)) in \
+            self.weight_map
+
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
         with self._open(self.weight_map[name]) as f:
@@ -162,10 +168,16 @@ class RandomWeights:
 
     def __init__(self, cfg: ModelConfig, seed: int):
         self.reference = build_meta_model(cfg)
+        self.buffers = real_buffers(self.reference)  # as built (persistent ones: the architecture's init)
         self.seed = seed
         self._module_name: str | None = None
 
+    def holds(self, name: str) -> bool:
+        return True
+
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name][index].to(device)
         module_name, _, param_name = name.rpartition(".")
         module = self.reference.get_submodule(module_name)
         if module_name != self._module_name:
@@ -197,6 +209,9 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             index, local = _shard(param)
             # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
             local.copy_(weights.read(clean_name(name), index, device))
+        for name, buffer in persistent_buffers(model).items():  # whole on every rank
+            if weights.holds(name):
+                buffer.copy_(weights.read(name, tuple(slice(None) for _ in buffer.shape), device))
     initialise_adapters(model, weights.seed, device)
 
 

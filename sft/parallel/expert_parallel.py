@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from sft.distributed import log0
-from sft.models.moe import GroupedExperts, expert_ends
+from sft.models.experts import GroupedExperts, expert_ends
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -67,7 +67,7 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
     local_ids = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(
         received_counts, output_size=arrived.shape[0])
     local_sorted, regroup = local_ids.sort(stable=True)
-    out = experts(arrived[regroup], local_sorted, expert_ends(local_sorted, local))
+    out = experts.compute(arrived[regroup], local_sorted, expert_ends(local_sorted, local))
     out = torch.empty_like(out).index_copy_(0, regroup, out)  # back in arrival order
     return funcol.all_to_all_single_autograd(out, sent, received, group).wait()
 
@@ -93,6 +93,6 @@ def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:
                             torch.ops.profiler._record_function_exit._RecordFunction))
     for block in moe.blocks:
         _shard_by_expert(block.experts, mesh)
-        block.run_experts = functools.partial(run_experts_across_ranks, group=mesh.get_group())
-    log0(f"applied expert parallelism: {moe.blocks[0].num_experts // dims.ep} of {moe.blocks[0].num_experts} "
+        block.experts.run_experts = functools.partial(run_experts_across_ranks, group=mesh.get_group())
+    log0(f"applied expert parallelism: {moe.num_experts // dims.ep} of {moe.num_experts} "
          f"experts per rank in {len(moe.blocks)} blocks, over {dims.ep} ranks")

@@ -155,12 +155,15 @@ class Shapes:
                 nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
         text = model.config.get_text_config()
         params = sum(p.numel() for p in model.parameters())
-        block = sum(p.numel() for p in decoder_blocks(model)[0].parameters())
+        # The largest block (DeepSeek-V3's first layers are dense: its MoE blocks are the largest)
+        sizes = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
+        largest = decoder_blocks(model)[sizes.index(max(sizes))]
+        block = max(sizes)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
         ffn = top_k * expert_ffn if experts else text.intermediate_size
-        block_experts = sum(p.numel() for n, p in decoder_blocks(model)[0].named_parameters() if ".experts." in n)
-        return cls(params, block, params - block * text.num_hidden_layers, text.num_hidden_layers,
+        block_experts = sum(p.numel() for n, p in largest.named_parameters() if ".experts." in n)
+        return cls(params, block, params - sum(sizes), text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),

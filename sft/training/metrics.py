@@ -125,11 +125,11 @@ class StepMetrics:
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
         total = sum(p.numel() for p in model.parameters())
         active = moe.active_parameters if moe else total
-        experts_train = moe is not None and moe.blocks[0].experts.gate_up_proj.requires_grad
+        experts_train = any(p.requires_grad for name, p in model.named_parameters() if ".experts." in name)
         self.trained = sum(p.numel() for p in model.parameters() if p.requires_grad) - (
             total - active if experts_train else 0)
         self.frozen = active - self.trained
-        self.moe = moe
+        self.moe = moe if moe and moe.blocks else None  # the general path keeps no statistics of ours
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         # The ranks of a cp group share each row: each counts its 1/degree of the row's tokens.

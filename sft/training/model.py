@@ -45,6 +45,8 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
         log0("attention: causal SDPA, no mask (rows of one sequence)")
     # MoE models: our routing, experts and load-balancing loss (rank 0 first: one error)
     moe = rank0_first(lambda: apply_moe(model, cfg.moe))
+    if moe:
+        log0(moe.path)
     blocks = decoder_blocks(model)  # LoRA replaces layers inside the blocks, never the blocks
     # LoRA: adapters on the blocks' Linear layers, everything else frozen in the compute dtype
     lora = apply_lora(model, blocks, cfg.lora, DTYPES[cfg.fsdp.param_dtype])

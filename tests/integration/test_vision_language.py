@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers import REPO, eval_losses, run_demo, vision_language_model_dir
+from helpers import REPO, eval_losses, hf_eval_loss, run_demo, vision_language_model_dir
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -20,24 +20,6 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
         with safe_open(file, framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys()})
     return out
-
-
-def _eval_loss(model, cfg, model_dir) -> float:
-    """transformers' own loss of `model` on the eval set, averaged over supervised tokens (as the run's eval)."""
-    from sft.config import ModelConfig
-    from sft.data.collate import collate
-    from sft.data.prepare import load_sft_data
-    from sft.models.build import load_tokenizer
-
-    _, evals = load_sft_data(cfg.data, load_tokenizer(ModelConfig(name_or_path=str(model_dir))), seed=0)
-    ce, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(evals), 8):
-            batch = collate([evals[i] for i in range(start, min(start + 8, len(evals)))], 0, 256)
-            n = int((batch["labels"][:, 1:] != -100).sum())
-            ce += model(**batch).loss.item() * n
-            count += n
-    return ce / count
 
 
 @pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("gemma3", 1)])
@@ -49,22 +31,19 @@ def test_vision_language_checkpoint_trains_its_language_model_and_exports_the_or
     has the original's config.json and tensor names, and its vision tensors are the original's."""
     from transformers import AutoModelForImageTextToText
 
-    from sft.config import load_config
 
     source = vision_language_model_dir(tmp_path, model_type)
     overrides = ["model.init=pretrained", f"model.name_or_path={source}", "train.max_steps=3", "eval.every_steps=3"]
     run_demo(demo_data, tmp_path, "vl", *overrides, nproc=nproc)
-    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={demo_data / 'train.jsonl'}",
-                                                       f"data.eval_path={demo_data / 'eval.jsonl'}"])
     first, last = eval_losses(tmp_path / "vl")[0], eval_losses(tmp_path / "vl")[-1]
     original = AutoModelForImageTextToText.from_pretrained(source)
-    assert _eval_loss(original, cfg, source) == pytest.approx(first, rel=1e-5)
+    assert hf_eval_loss(original, demo_data, source) == pytest.approx(first, rel=1e-5)
 
     export = tmp_path / "vl" / "export"
     exported, info = AutoModelForImageTextToText.from_pretrained(export, output_loading_info=True)
     assert type(exported) is type(original)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert _eval_loss(exported, cfg, export) == pytest.approx(last, rel=1e-5)
+    assert hf_eval_loss(exported, demo_data, export) == pytest.approx(last, rel=1e-5)
     assert (export / "config.json").read_text() == (source / "config.json").read_text()
     before, after = _tensors(source), _tensors(export)
     assert sorted(after) == sorted(before)

@@ -15,8 +15,8 @@ from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, hf_moe_model, 
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.models.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
-from sft.models.moe import (LAYOUTS, GroupedExperts, SparseMoE, _per_expert_linear, apply_moe, expert_outputs,
-                            grouped_linear)
+from sft.models.experts import _per_expert_linear, grouped_linear
+from sft.models.moe import apply_moe
 from sft.parallel.activation_checkpointing import apply_ac
 
 
@@ -40,37 +40,6 @@ def test_grouped_gemm_equals_the_per_expert_loop_in_bf16():
     assert results[0][2][1].abs().max() == 0  # the idle expert's gradient
     assert torch.equal(grouped_linear(x.float(), w.float(), ends),
                        _per_expert_linear(x.float(), w.float().transpose(-2, -1), ends))
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_our_blocks_own_their_state_and_keep_the_model_s_names(arch, tmp_path):
-    """apply_moe puts modules of ours in each sparse block's place (the block, its experts): the
-    parameter names (checkpoints, hub files) are the model's, the Hugging Face modules carry no
-    state of ours and keep their own forward, and the handle holds the blocks."""
-    model = hf_moe_model() if arch == "qwen3_moe" else hf_moe_model(gpt_oss_model_dir(tmp_path), attn_implementation="eager")
-    names = [name for name, _ in model.named_parameters()]
-    forwards = {name: type(module).forward for name, module in model.named_modules()}
-    moe = apply_moe(model, MoEConfig())
-    assert [name for name, _ in model.named_parameters()] == names
-    ours = [module for module in model.modules() if isinstance(module, SparseMoE)]
-    assert len(ours) == len(moe.blocks) == model.config.num_hidden_layers and ours == moe.blocks
-    assert all(isinstance(block.experts, GroupedExperts) for block in ours)
-    for name, module in model.named_modules():
-        if not isinstance(module, SparseMoE | GroupedExperts):
-            assert not [key for key in vars(module) if key.startswith("_sft") or key == "forward"], name
-            assert type(module).forward is forwards[name], name
-
-
-def test_experts_dispatch_and_combine_equal_hf_eager():
-    """Sorting tokens by expert, the grouped experts and the weighted combine give HF's per-expert loop."""
-    model = hf_moe_model()
-    block = model.model.layers[0].mlp
-    x = torch.randn(24, model.config.hidden_size)
-    _, top_w, top_i = block.gate(x)
-    expected = block.experts(x, top_i, top_w)  # HF's eager loop
-    ours = GroupedExperts(block.experts, LAYOUTS["qwen3_moe"])
-    torch.testing.assert_close(expert_outputs(ours, x, top_w, top_i, model.config.num_experts), expected,
-                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["blocks", "ops", "ops_half", "attention"])
@@ -167,20 +136,6 @@ def test_mxfp4_experts_stop_with_the_fix(tmp_path):
               directory / "model.safetensors")
     with pytest.raises(ModelError, match="MXFP4-quantised experts.*Mxfp4Config\\(dequantize=True\\)"):
         SafetensorsWeights(str(directory), meta).check()
-
-
-def test_experts_of_other_architectures_are_refused_with_one_line(tmp_path):
-    """Qwen2-MoE's shared expert is not in our block: refused before anything is sharded or loaded."""
-    from transformers import Qwen2MoeConfig
-
-    from sft.models.moe import MoEError
-
-    Qwen2MoeConfig(vocab_size=899, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                   shared_expert_intermediate_size=32).save_pretrained(tmp_path)
-    model = build_meta_model(ModelConfig(name_or_path=str(tmp_path)))
-    with pytest.raises(MoEError, match="model_type qwen2_moe.*supported: gpt_oss, mixtral, qwen3_moe"):
-        apply_moe(model, MoEConfig())
 
 
 def test_real_tokens_mark_everything_but_padding():

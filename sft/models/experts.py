@@ -1,0 +1,90 @@
+"""Dropless experts on grouped GEMMs: the (token, slot) pairs sorted by expert, each expert's rows
+through its SwiGLU with `grouped_mm` on the gathered weights, the weighted sum back in token order.
+sft/models/moe.py puts `GroupedExperts` on each sparse block's experts; under expert parallelism
+the sorted rows travel to their experts' ranks (sft/parallel/expert_parallel.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sft.distributed import local_part
+
+
+def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> bool:
+    """Whether the grouped GEMM kernel takes these operands: bf16 (float32 runs a slow fallback on
+    GPUs and is not compilable on CPU) and 16-byte aligned rows of input and output."""
+    return x.dtype == weight.dtype == torch.bfloat16 and x.shape[-1] * 2 % 16 == 0 and out_features * 2 % 16 == 0
+
+
+@torch.compiler.disable  # data-dependent slicing: runs eagerly (a graph break) rather than recompiling
+def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows [ends[e-1], ends[e]) of x times weight[e] ([in, out]), expert by expert (the fallback)."""
+    out, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        out.append(x[start:end] @ weight[e])
+        start = end
+    return torch.cat(out)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """x [rows, in] sorted by expert times weight [E, out, in] (transposed: [E, in, out]);
+    ends[e] = end row of expert e (int32)."""
+    weight = weight if transposed else weight.transpose(-2, -1)  # [E, in, out]: a view
+    if _grouped_mm_runs(x, weight, weight.shape[-1]):
+        grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
+        return grouped_mm(x, weight, offs=ends)
+    return _per_expert_linear(x, weight, ends)
+
+
+class GroupedExperts:
+    """What our experts compute, on top of the model's own experts class (its weights, layout flags
+    and gate activation: transformers' experts interface). Called as transformers calls its experts,
+    (hidden states [T, H], top-k expert ids [T, K], top-k weights [T, K]) -> [T, H]; the rows sorted
+    by expert reach their experts through `run_experts` (here, or across the ep ranks), which call
+    `compute`. A module of its own, so FSDP can gather its weights over the ranks that shard them."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self.top_k_index = top_k_index  # for the block's statistics
+        return expert_outputs(self, hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index,
+                              self.gate_up_proj.shape[0], self.run_experts)
+
+    def compute(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert: rows sorted by (this rank's) expert, `expert_ids` their
+        experts, `ends[e]` the end row of expert e (int32)."""
+        # Under expert parallelism the gathered weights are DTensors over the ep ranks, sharded by
+        # expert (sft/parallel/expert_parallel.py): their local part is this rank's experts.
+        gate_up = grouped_linear(rows, local_part(self.gate_up_proj), ends, self.is_transposed)
+        if self.has_bias:
+            gate_up = gate_up + local_part(self.gate_up_proj_bias)[expert_ids]
+        out = grouped_linear(self._apply_gate(gate_up), local_part(self.down_proj), ends, self.is_transposed)
+        if self.has_bias:
+            out = out + local_part(self.down_proj_bias)[expert_ids]
+        return out
+
+
+def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ends[e] = the end row of expert e in rows sorted by expert (int32, on the device: no sync)."""
+    experts = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, experts).to(torch.int32)
+
+
+def run_local_experts(experts: GroupedExperts, rows: torch.Tensor, sorted_ids: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """Rows sorted by expert through their experts, all of which this rank holds."""
+    return experts.compute(rows, sorted_ids, expert_ends(sorted_ids, num_experts))
+
+
+def expert_outputs(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                   num_experts: int, run_experts=run_local_experts) -> torch.Tensor:
+    """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless. `run_experts`
+    takes the rows sorted by expert to their experts and back (here, or across the ep ranks)."""
+    tokens, k = top_i.shape
+    # Stable sort: within an expert, rows keep token order, so results do not depend on the sort.
+    sorted_ids, order = top_i.reshape(-1).sort(stable=True)
+    rows = x.unsqueeze(1).expand(tokens, k, x.shape[-1]).reshape(tokens * k, -1)[order]
+    out_sorted = run_experts(experts, rows, sorted_ids, num_experts)
+    # Back to (token, slot) order with a permutation (no atomics), then a sum over the k slots.
+    out = torch.empty_like(out_sorted).index_copy_(0, order, out_sorted)
+    return (out.view(tokens, k, -1) * top_w.unsqueeze(-1)).sum(dim=1)
