@@ -278,6 +278,10 @@ TINY = dict(vocab_size=899, hidden_size=64, intermediate_size=128, moe_intermedi
             tie_word_embeddings=False, max_position_embeddings=512)
 
 
+# Falcon-H1's Mamba-2 mixer at the tiny widths (a hybrid whose state is not restarted per document)
+FALCON_H1 = dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16)
+
+
 def tiny_config(model_type: str, **overrides):
     """transformers' own config class of `model_type`, tiny (TINY, then `overrides`), no KV cache."""
     from transformers import AutoConfig
@@ -325,4 +329,14 @@ def saved_model_dir(tmp: Path, model_type: str, **overrides) -> Path:
                 if name.endswith("e_score_correction_bias") or (name.endswith("_bias") and "experts" in name):
                     tensor.uniform_(-0.5, 0.5)
         model.save_pretrained(out)
+    return out
+
+
+def tiny_model_dir(tmp: Path, model_type: str, **overrides) -> Path:
+    """A directory with a tiny `model_type` config.json (tiny_config; no weights: model.init=random)
+    and the demo tokenizer."""
+    out = tmp / f"tiny_{model_type}"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        tiny_config(model_type, **overrides).save_pretrained(out)
     return out

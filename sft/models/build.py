@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
+from sft.models.stateful_layers import stateful_layers
 from sft.models.vision_language import is_vision_language, language_model_config
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -170,34 +171,6 @@ def attends_fully(model: PreTrainedModel) -> bool:
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
     return (layer_types == {"full_attention"} and not getattr(config, "sliding_window", None)
             and not getattr(config, "attn_logit_softcapping", None))
-
-
-# Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
-# packed document sees only itself once its positions restart. Any other kind (linear_attention:
-# Gated DeltaNet, Mamba, lightning attention; conv) carries its state into the next document.
-STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
-# Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
-_STATEFUL_MIXERS = ("Mamba", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention")
-
-
-def stateful_layers(model: PreTrainedModel) -> str | None:
-    """The layers of `model` that carry state along a row (recurrent or convolutional: Qwen3.5's and
-    Qwen3-Next's Gated DeltaNet, Mamba hybrids, MiniMax's lightning attention), named for a message;
-    None when every layer attends or is an MLP."""
-    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or []) - STATELESS_LAYERS
-    mixers = sorted({type(m).__name__ for m in model.modules() if any(k in type(m).__name__ for k in _STATEFUL_MIXERS)})
-    if not kinds and not mixers:
-        return None
-    return f"{type(model).__name__}'s {' and '.join(sorted(kinds) or ['recurrent'])} layers ({', '.join(mixers)})"
-
-
-def check_packing(model: PreTrainedModel, packing: bool) -> None:
-    """data.packing: refused for a model whose layers carry state from one document of a packed row
-    into the next (positions restart per document; a recurrent state does not): one line naming them."""
-    if packing and (layers := stateful_layers(model)):
-        raise ModelError(f"data.packing=true: {layers} carry their state from one packed document into the "
-                         "next, mixing documents; set data.packing=false (exact packing of these layers needs "
-                         "the varlen kernels of flash-linear-attention, not used yet)")
 
 
 def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError
+from sft.models.stateful_layers import DOCUMENT_ENDS, document_ends
 from sft.parallel.context_parallel import attention_mask, shard_rows
 from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
@@ -86,6 +87,8 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
     layout = {}
     if dims is not None and dims.cp_enabled:
         rows, layout = shard_rows(rows, dims)  # targets shifted on the whole row, then split
+    elif (ends := document_ends(rows["position_ids"])) is not None:  # packed: for layers that carry state
+        layout = {"document_ends": ends}
     targets = rows["targets"]
     sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     return {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"],
@@ -93,11 +96,16 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
 
 
 def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
-              target_ids: torch.Tensor, **cp_layout: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
-    attention = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
+              target_ids: torch.Tensor, document_ends: torch.Tensor | None = None,
+              **cp_layout: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
+    document ends reach the layers that carry state (sft/models/stateful_layers.py); attention
+    keeps documents apart by their positions."""
+    extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
+    if document_ends is not None:
+        extra[DOCUMENT_ENDS] = document_ends
     hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                **attention).last_hidden_state
+                                **extra).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
     if torch.is_grad_enabled():
         return LinearCrossEntropy.apply(*args)

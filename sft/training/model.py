@@ -17,10 +17,11 @@ from transformers import PreTrainedModel
 
 from sft.config import DTYPES, Config
 from sft.distributed import log0, rank0_first
-from sft.models.build import (build_meta_model, check_packing, decoder_blocks, materialize, real_buffers,
+from sft.models.build import (build_meta_model, decoder_blocks, materialize, real_buffers,
                               use_causal_sdpa)
 from sft.models.lora import LoRA, apply_lora
 from sft.models.moe import MoE, apply_moe
+from sft.models.stateful_layers import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 from sft.training.loss import attach_sft_loss
@@ -37,7 +38,8 @@ class TrainingModel:
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
     """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
     model = rank0_first(lambda: build_meta_model(cfg.model))
-    rank0_first(lambda: check_packing(model, cfg.data.packing))  # one line, before anything is allocated
+    # Stateful layers restart at each packed document, or one line before anything is allocated
+    rank0_first(lambda: check_packing(model, cfg.data.packing))
     if (attention := model.config._attn_implementation) != cfg.model.attn_implementation:
         log0(f"attention: {type(model).__name__} cannot run model.attn_implementation={cfg.model.attn_implementation} "
              f"here; using {attention} (model.attn_implementation chooses)")

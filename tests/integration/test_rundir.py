@@ -176,7 +176,7 @@ def test_config_errors_under_torchrun_are_reported_once(tmp_path, demo_data):
 
 def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
     """case -> (train.py overrides, what its one error line says)."""
-    from helpers import gated_deltanet_model_dir, model_dir, vision_language_model_dir
+    from helpers import FALCON_H1, model_dir, tiny_model_dir, vision_language_model_dir
     from sft.config import ModelConfig
     from sft.models.hub import write_safetensors
     from sft.models.weights import RandomWeights
@@ -237,9 +237,9 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
         "not UTF-8": ([data("latin1.jsonl")], "line 4 is not UTF-8 text (byte 0xe9 at column 47)"),
         "a JSON file not in UTF-8": ([data("latin1.json")], "line 1 is not UTF-8 text (byte 0xe9 at column 48)"),
         "an override that is not YAML": (["data.chat_template_kwargs={a: 1"], "the value is not valid YAML"),
-        "packing a Gated DeltaNet hybrid": ([f"model.name_or_path={gated_deltanet_model_dir(tmp_path)}",
-                                             "data.packing=true"],
-                                            "data.packing=true: Qwen3_5ForCausalLM's linear_attention layers"),
+        "packing a Mamba hybrid": ([f"model.name_or_path={tiny_model_dir(tmp_path, 'falcon_h1', **FALCON_H1)}",
+                                    "data.packing=true"],
+                                   "data.packing=true: FalconH1ForCausalLM's hybrid layers (FalconH1Mixer)"),
         "random init of a vision-language checkpoint": ([f"model.name_or_path={vision_language_model_dir(tmp_path, 'qwen3_5')}"],
                                                         "model.init='random': model.name_or_path="),
         "nf4 without LoRA": (["lora.base=nf4"], "lora.base='nf4': the frozen base of LoRA, and lora.rank=0 trains"),

@@ -1,0 +1,176 @@
+"""Layers that carry state along a row, and packing them exactly.
+
+A packed row holds several documents; attention keeps them apart by their positions, which restart
+at each document. A recurrent or convolutional layer does not look at positions: Gated DeltaNet
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention
+carry their state from one document into the next. Gated DeltaNet is packed exactly: every document
+restarts its recurrent state and its short convolution, as if it had a row of its own.
+
+transformers' Gated DeltaNet layers call two functions of their modeling module,
+`causal_conv1d_fn` and `torch_chunk_gated_delta_rule` (which transformers replaces by
+flash-linear-attention's kernel where installed), passing on the keyword arguments the model was
+called with. `enable_exact_packing` puts document-aware versions in their place, used when a call
+carries the documents' ends (`DOCUMENT_ENDS`, which sft/training/loss.py passes for packed rows)
+and the originals otherwise:
+
+* the convolution: each output sums the kernel's taps over its own document only (the taps that
+  reach into the previous document are masked), in torch on any device;
+* the gated delta rule: on GPUs flash-linear-attention's varlen kernel (`cu_seqlens`: the
+  documents of the flattened rows) where it is installed; else transformers' torch reference
+  one document at a time (a CPU path, for the tests: every document's state starts at zero).
+
+Any other layer that carries state is refused for packing and context parallelism in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+
+import torch
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+
+from sft.errors import UserError
+
+# Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
+# packed document sees only itself once its positions restart.
+STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
+# Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
+_STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
+                    "DeltaAttention", "Recurrent")
+# The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
+DOCUMENT_ENDS = "sft_document_ends"
+
+
+class PackingError(UserError):
+    """A model whose layers cannot be packed as configured; the message names the layers and the fix."""
+
+
+def _stateful_mixers(model: PreTrainedModel) -> dict[str, type]:
+    """The classes of `model`'s modules that carry state along a row, by name."""
+    return {type(m).__name__: type(m) for m in model.modules() if any(k in type(m).__name__ for k in _STATEFUL_MIXERS)}
+
+
+def stateful_layers(model: PreTrainedModel) -> str | None:
+    """The layers of `model` that carry state along a row, named for a message; None when every
+    layer attends or is an MLP."""
+    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or []) - STATELESS_LAYERS
+    mixers = sorted(_stateful_mixers(model))
+    if not kinds and not mixers:
+        return None
+    return f"{type(model).__name__}'s {' and '.join(sorted(kinds) or ['recurrent'])} layers ({', '.join(mixers)})"
+
+
+def _exact_modules(model: PreTrainedModel) -> list[object] | None:
+    """The modeling modules whose stateful layers this module packs exactly (Gated DeltaNet calling
+    the module's two functions); None if any stateful layer is of another kind, or cannot be named."""
+    mixers = _stateful_mixers(model)
+    if not mixers:  # the config names stateful layer kinds (e.g. Falcon-H1's "hybrid"), no module of a known kind
+        return None
+    modules = []
+    for name, cls in mixers.items():
+        module = sys.modules[cls.__module__]
+        if "GatedDeltaNet" not in name or not all(hasattr(module, f) for f in ("causal_conv1d_fn",
+                                                                                "torch_chunk_gated_delta_rule")):
+            return None
+        modules.append(module)
+    return modules
+
+
+def check_packing(model: PreTrainedModel, packing: bool) -> None:
+    """data.packing on a model whose layers carry state: their documents restart exactly
+    (enable_exact_packing), or one line naming the layers."""
+    if not packing or not (layers := stateful_layers(model)):
+        return
+    if _exact_modules(model) is None:
+        raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
+                           "mixing documents, and only Gated DeltaNet layers restart per document yet; set "
+                           "data.packing=false")
+    enable_exact_packing(model)
+
+
+def enable_exact_packing(model: PreTrainedModel) -> None:
+    """Put the document-aware convolution and delta rule in the place of the functions `model`'s
+    Gated DeltaNet layers call (once per modeling module)."""
+    for module in _exact_modules(model) or []:
+        if not getattr(module.causal_conv1d_fn, "by_document", False):
+            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn)
+            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule)
+
+
+def document_ends(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The cumulative ends of the documents of rows [B, T] flattened into one sequence (int32, as
+    varlen kernels take them: [0, end_1, ..., B*T]); positions restart at 0 with every document.
+    None for rows of one document each (nothing to keep apart). On the host: no GPU sync."""
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
+    if len(starts) == position_ids.shape[0]:
+        return None
+    return torch.cat([starts, torch.tensor([position_ids.numel()])]).to(torch.int32)
+
+
+def _document_ids(ends: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[B, T] index of each position's document, from the flattened ends (on the device: no sync)."""
+    lengths = ends[1:] - ends[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=ends.device), lengths,
+                                   output_size=shape.numel()).view(shape)
+
+
+def _conv_by_document(original):
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, **kwargs) -> torch.Tensor:
+        ends = kwargs.get(DOCUMENT_ENDS)
+        if ends is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        # hidden_states [B, C, T], weight [C, K]: out[t] = sum_j weight[K-1-j] x[t-j], taps in t's document only
+        batch, _, length = hidden_states.shape
+        document = _document_ids(ends.to(hidden_states.device), torch.Size((batch, length)))
+        x = hidden_states.to(weight.dtype)
+        kernel = weight.shape[-1]
+        out = x * weight[:, kernel - 1, None]
+        for j in range(1, min(kernel, length)):
+            same = (document[:, j:] == document[:, :-j]).unsqueeze(1)  # [B, 1, T-j]
+            out[..., j:] += x[..., :-j] * weight[:, kernel - 1 - j, None] * same
+        if bias is not None:
+            out = out + bias[:, None]
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.to(hidden_states.dtype)
+
+    causal_conv1d_fn.by_document = True
+    return causal_conv1d_fn
+
+
+@functools.cache
+def _fla_delta_rule():
+    """flash-linear-attention's chunked gated delta rule, None where it is not installed."""
+    try:
+        return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    except ImportError:
+        return None
+
+
+def _delta_rule_by_document(original):
+    reference = getattr(original, "__wrapped__", original)  # transformers' torch function
+
+    @functools.wraps(original)
+    def chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        ends = kwargs.pop(DOCUMENT_ENDS, None)
+        if ends is None:
+            return original(query, key, value, g=g, beta=beta, **kwargs)
+        l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
+        batch, length = query.shape[:2]
+        flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        fla = _fla_delta_rule()
+        if fla is not None and query.is_cuda:
+            out, _ = fla(*flat, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=l2norm,
+                         cu_seqlens=ends.to(query.device, torch.long))
+        else:  # every document from a zero state, through transformers' own reference
+            bounds = ends.tolist()
+            out = torch.cat([reference(*(t[:, start:end] for t in flat), use_qk_l2norm_in_kernel=l2norm)[0]
+                             for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
+        return out.reshape(batch, length, *out.shape[2:]), None
+
+    return chunk_gated_delta_rule
