@@ -16,7 +16,7 @@ export OMP_NUM_THREADS ?= 1
 # machine reuses it; each test session compiles into a copy of it (tests/compile_cache.py).
 export TORCHINDUCTOR_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/sft/inductor
 
-.PHONY: install demo demo-lora test test-fast lint demo-data
+.PHONY: install demo demo-lora test test-fast lint demo-data models-doc
 
 $(VENV)/bin/python:
 	$(SYSTEM_PYTHON) -m venv $(VENV)
@@ -60,3 +60,7 @@ test: install
 # The unit tier (tests/unit: nothing launches torchrun or a Python), under half a minute: for the edit-test loop.
 test-fast: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
+
+# docs/models.md: every causal-LM family of the installed transformers through the trainer's path (tests/zoo.py)
+models-doc: install
+	$(PYTHON) tests/zoo.py

@@ -248,6 +248,16 @@ VISION_LANGUAGE = {
     "gemma3": dict(text_config=dict(_TINY_TEXT, layer_types=["sliding_attention", "full_attention"]),
                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                       image_size=28, patch_size=14), mm_tokens_per_image=4),
+    # Qwen3.5-MoE: experts, a gated shared expert and Gated DeltaNet, under a vision tower
+    "qwen3_5_moe": dict(text_config=dict(_TINY_TEXT, layer_types=["linear_attention", "full_attention"],
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                           out_hidden_size=64)),
+    # Mistral-3: a Mistral language model (files as published: language_model.model.)
+    "mistral3": dict(text_config=dict(_TINY_TEXT, model_type="mistral"),
+                     vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                        head_dim=16, image_size=28, patch_size=14)),
 }
 
 

@@ -21,7 +21,6 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
-from sft.models.stateful_layers import stateful_layers
 from sft.models.vision_language import is_vision_language, language_model_config
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -110,9 +109,10 @@ def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
     return "flex_attention" if torch.cuda.is_available() and cls._supports_flex_attn else "eager"
 
 
-def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
+def build_meta_model(cfg: ModelConfig, constructed_below: int = 0) -> PreTrainedModel:
     """The model with parameters on the meta device (float32) and real float32 buffers, its attention
-    the configured one where the architecture can run it here (runnable_attention)."""
+    the configured one where the architecture can run it here (runnable_attention). Parameters of
+    fewer than `constructed_below` elements stay real, as the constructor made them."""
     # A vision-language checkpoint: its language model (sft/models/vision_language.py)
     config = model_config(cfg)
     if is_vision_language(config) and cfg.init != "pretrained":  # the vision tower would have no weights to keep
@@ -125,7 +125,7 @@ def build_meta_model(cfg: ModelConfig) -> PreTrainedModel:
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: {e}") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
-        with parameters_on_meta():
+        with parameters_on_meta(constructed_below):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=runnable_attention(config,
                                                                                             cfg.attn_implementation),
@@ -173,20 +173,14 @@ def attends_fully(model: PreTrainedModel) -> bool:
             and not getattr(config, "attn_logit_softcapping", None))
 
 
-def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
-    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
-    model). The one rule: context parallelism refuses these, and the planner never suggests a
-    cp.degree for them."""
-    config = model.config.get_text_config()
-    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
-        return "mixture-of-experts models are not supported yet"
-    if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
-        return f"{layers} carry state along the row"
-    if not attends_fully(model):
-        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
-    if getattr(config, "attention_dropout", 0.0):
-        return "attention dropout is not supported (set the model's attention_dropout to 0)"
-    return None
+def decoder(model: PreTrainedModel) -> tuple[str, nn.Module]:
+    """(its name, the module) of the stack of blocks under the language-model head, which returns the
+    last hidden states (`get_decoder`, or the `model` child where a class's get_decoder returns
+    the whole model: Llama-4's text class)."""
+    inner = model.get_decoder()
+    if inner is model:
+        inner = model.model
+    return next(name for name, module in model.named_modules() if module is inner), inner
 
 
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
@@ -231,7 +225,7 @@ def materialize(model: nn.Module, buffers: dict[str, torch.Tensor], device: torc
 
 
 @contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
+def parameters_on_meta(constructed_below: int = 0) -> Iterator[None]:
     """Inside, every parameter a module registers moves to the meta device (no storage, no init
     work), while buffers are made as usual: real, so non-persistent ones such as rotary `inv_freq`,
     which no checkpoint holds, keep their values (pitfall: garbage after to_empty -> NaN). What
@@ -241,7 +235,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
+        if param is not None and param.numel() >= constructed_below:
             module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta

@@ -31,8 +31,9 @@ KEPT = "kept.safetensors"
 
 
 def is_vision_language(config: PretrainedConfig) -> bool:
-    """Whether config.json describes a model with a language model inside it (a text_config)."""
-    return config.get_text_config(decoder=True) is not config
+    """Whether config.json describes a model with a language model inside it (a text_config beside a
+    vision or audio one; not an encoder-decoder's decoder)."""
+    return "text_config" in (getattr(config, "sub_configs", None) or {})
 
 
 def language_model_config(config: PretrainedConfig) -> PretrainedConfig:

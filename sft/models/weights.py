@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from sft.config import ModelConfig
 from sft.distributed import rank0_first
 from sft.models import hub
-from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
+from sft.models.build import (ModelError, build_meta_model, clean_name, decoder, missing_local_dir, model_config,
                               persistent_buffers, real_buffers)
 from sft.models.lora import initial_adapter, is_nf4, quantized
 from sft.models.peft_format import is_adapter
@@ -64,7 +64,7 @@ class SafetensorsWeights:
         self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
-        self.names = file_names(self._file_shapes_by_name(), model.base_model_prefix,
+        self.names = file_names(self._file_shapes_by_name(), decoder(model)[0],
                                 tuple(model.get_input_embeddings().weight.shape))
 
     def digest(self) -> str:
@@ -163,12 +163,21 @@ class SafetensorsWeights:
             return f.get_slice(file_name)[index].to(device)
 
 
+# Parameters this small keep the value their module's constructor gave them where the architecture's
+# _init_weights does not set them (a norm's weight of ones, an activation's learnt constants).
+CONSTRUCTED_BELOW = 1 << 16
+
+
 class RandomWeights:
-    """The architecture's own random init, one module at a time, seeded by module name."""
+    """The architecture's own random init, one module at a time, seeded by module name: its
+    `_init_weights`, and for a parameter that leaves untouched the constructor's value (small
+    parameters, built real: CONSTRUCTED_BELOW) or one error naming it (never uninitialised memory)."""
 
     def __init__(self, cfg: ModelConfig, seed: int):
-        self.reference = build_meta_model(cfg)
+        self.reference = build_meta_model(cfg, constructed_below=CONSTRUCTED_BELOW)
         self.buffers = real_buffers(self.reference)  # as built (persistent ones: the architecture's init)
+        self.constructed = {clean_name(n): p.detach().clone() for n, p in self.reference.named_parameters()
+                            if not p.is_meta}
         self.seed = seed
         self._module_name: str | None = None
 
@@ -184,8 +193,18 @@ class RandomWeights:
             if self._module_name is not None:  # free the previous module's full tensors
                 self.reference.get_submodule(self._module_name).to_empty(device="meta", recurse=False)
             module.to_empty(device=device, recurse=False)
-            torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
-            self.reference._init_weights(module)
+            with torch.no_grad():
+                for param in module.parameters(recurse=False):
+                    param.fill_(float("nan"))  # what _init_weights leaves untouched stays NaN
+                torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
+                self.reference._init_weights(module)
+                for local, param in module.named_parameters(recurse=False):
+                    if param.isnan().all():
+                        constructed = self.constructed.get(f"{module_name}.{local}")
+                        if constructed is None:
+                            raise ModelError(f"{type(self.reference).__name__}: its _init_weights leaves "
+                                             f"{module_name}.{local} unset; use model.init: pretrained")
+                        param.copy_(constructed)
             self._module_name = module_name
         return getattr(module, param_name).detach()[index]
 

@@ -40,7 +40,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from sft.config import ConfigError
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import log0
-from sft.models.build import cp_unsupported
+from sft.models.packing import cp_unsupported
 from sft.parallel.mesh import ParallelDims
 
 # Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.

@@ -58,7 +58,8 @@ import torch
 from torch import nn
 
 from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
-from sft.models.build import cp_unsupported, decoder_blocks
+from sft.models.build import decoder_blocks
+from sft.models.packing import cp_unsupported
 from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token

@@ -14,6 +14,7 @@ unit, which stays unsharded while `sft_loss` runs).
 from __future__ import annotations
 
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,18 +24,38 @@ from transformers import PreTrainedModel
 
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
-from sft.models.build import ModelError
-from sft.models.stateful_layers import DOCUMENT_ENDS, document_ends
+from sft.models.build import ModelError, decoder
+from sft.models.packing import DOCUMENT_ENDS, document_ends
 from sft.parallel.context_parallel import attention_mask, shard_rows
 from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
 
 
 
+@dataclass(frozen=True)
+class Logits:
+    """What a model's head does to hidden @ lm_head.T before the softmax (transformers' forward of
+    its causal-LM class): a scale (Cohere's logit_scale; Granite's and MiniCPM3's 1 / logits_scaling;
+    Falcon-H1's lm_head_multiplier) and Gemma-2's soft cap, cap * tanh(logits / cap)."""
+    scale: float = 1.0
+    cap: float | None = None
+
+    @classmethod
+    def of(cls, config) -> Logits:
+        text = config.get_text_config()
+
+        def key(name: str, default):
+            value = getattr(text, name, None)
+            return default if value is None else value
+        return cls(key("logit_scale", 1.0) * key("lm_head_multiplier", 1.0) * key("output_multiplier", 1.0)
+                   / key("logits_scaling", 1.0), key("final_logit_softcapping", None) or None)
+
+
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_hidden: bool,
-                           grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """sum_i CE(hidden_i @ weight.T, target_i) in row chunks, and the gradients asked for (a frozen
-    lm_head, LoRA's, needs none: neither its float32 buffer nor the matmul that fills it)."""
+                           grad_weight: bool, head: Logits = Logits()
+                           ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """sum_i CE(head(hidden_i @ weight.T), target_i) in row chunks, and the gradients asked for (a
+    frozen lm_head, LoRA's, needs none: neither its float32 buffer nor the matmul that fills it)."""
     chunk = max(1, LOGITS_PER_CHUNK // weight.shape[0])
     acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums in >= fp32
     total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -43,12 +64,21 @@ def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         logits = (h @ weight.T).to(acc)
+        if head.scale != 1.0:
+            logits.mul_(head.scale)
+        if head.cap:
+            capped = torch.tanh(logits / head.cap)
+            logits = capped * head.cap
         lse = torch.logsumexp(logits, dim=-1)
         total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
         if grad_hidden or grad_weight:
-            # d CE / d logits = softmax - onehot
+            # d CE / d logits = softmax - onehot, then back through the cap and the scale
             grad_logits = torch.exp_(logits.sub_(lse[:, None]))
             grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+            if head.cap:
+                grad_logits.mul_(1 - capped.square_())
+            if head.scale != 1.0:
+                grad_logits.mul_(head.scale)
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden:
                 d_hidden[start : start + chunk] = grad_logits @ weight
@@ -61,8 +91,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     """Autograd wrapper: the gradients are formed during forward, chunk by chunk, and replayed."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, *ctx.needs_input_grad[:2])
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                head: Logits = Logits()) -> torch.Tensor:
+        total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, *ctx.needs_input_grad[:2],
+                                                                 head)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return total
 
@@ -70,7 +102,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (None if grad_hidden is None else grad_hidden * grad_total.to(grad_hidden.dtype),
-                None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None)
+                None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None, None)
 
 
 def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None) -> dict[str, torch.Tensor]:
@@ -99,17 +131,17 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
               target_ids: torch.Tensor, document_ends: torch.Tensor | None = None,
               **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
-    document ends reach the layers that carry state (sft/models/stateful_layers.py); attention
+    document ends reach the layers that carry state (sft/models/packing.py); attention
     keeps documents apart by their positions."""
     extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
     if document_ends is not None:
         extra[DOCUMENT_ENDS] = document_ends
-    hidden = self.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+    hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
     if torch.is_grad_enabled():
-        return LinearCrossEntropy.apply(*args)
-    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False)[0]
+        return LinearCrossEntropy.apply(*args, self.sft_logits)
+    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=self.sft_logits)[0]
 
 
 def attach_sft_loss(model: PreTrainedModel) -> None:
@@ -122,10 +154,7 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ModelError(f"{type(model).__name__}: the output layer is not a bias-free Linear, which the fused "
                          "lm_head + cross-entropy needs; this architecture is not supported")
-    for key in ("final_logit_softcapping", "logit_scale"):
-        if getattr(model.config, key, None):
-            raise ModelError(f"{type(model).__name__}: config.{key} post-processes logits, which the fused "
-                             "lm_head + cross-entropy does not; this architecture is not supported")
+    model.sft_logits = Logits.of(model.config)  # its scale and soft cap, which the fused loss applies
     model.sft_loss = types.MethodType(_sft_loss, model)
     register_fsdp_forward_method(model, "sft_loss")
 

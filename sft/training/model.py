@@ -21,7 +21,7 @@ from sft.models.build import (build_meta_model, decoder_blocks, materialize, rea
                               use_causal_sdpa)
 from sft.models.lora import LoRA, apply_lora
 from sft.models.moe import MoE, apply_moe
-from sft.models.stateful_layers import check_packing
+from sft.models.packing import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 from sft.training.loss import attach_sft_loss

@@ -11,7 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from helpers import DEMO_MODEL
 from sft.config import ConfigError, ModelConfig
-from sft.models.build import cp_unsupported
+from sft.models.packing import cp_unsupported
 from sft.parallel.context_parallel import apply_context_parallel, attention_mask, shard_rows, visible_keys
 from sft.models.moe import expert_shape
 from sft.parallel.mesh import ParallelDims

@@ -70,7 +70,7 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from helpers import gated_deltanet_model_dir
-    from sft.models.stateful_layers import DOCUMENT_ENDS, check_packing, document_ends
+    from sft.models.packing import DOCUMENT_ENDS, check_packing, document_ends
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
@@ -109,8 +109,9 @@ def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_pat
 
     from helpers import FALCON_H1, gated_deltanet_model_dir, tiny_config
     from sft.config import ModelConfig
-    from sft.models.build import build_meta_model, cp_unsupported
-    from sft.models.stateful_layers import PackingError, check_packing
+    from sft.models.build import build_meta_model
+    from sft.models.packing import cp_unsupported
+    from sft.models.packing import PackingError, check_packing
 
     mamba = AutoModelForCausalLM.from_config(tiny_config("falcon_h1", **FALCON_H1))
     with pytest.raises(PackingError) as err:

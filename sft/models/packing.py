@@ -1,9 +1,15 @@
-"""Layers that carry state along a row, and packing them exactly.
+"""What packing needs of a model: attention that keeps the documents of a packed row apart, and
+layers that carry state along a row restarted at each document.
 
-A packed row holds several documents; attention keeps them apart by their positions, which restart
-at each document. A recurrent or convolutional layer does not look at positions: Gated DeltaNet
-(Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention
-carry their state from one document into the next. Gated DeltaNet is packed exactly: every document
+A packed row holds several documents whose positions restart at 0. transformers' attention keeps
+them apart when the model builds its masks from the position ids (masking_utils finds the
+documents there): most models do; some do not (gpt-oss in transformers 5.24 builds its masks
+without them; older architectures such as BLOOM, OPT, MPT have no such masks). `check_packing`
+asks the model itself (`builds_document_masks`) and refuses the others in one line.
+
+A recurrent or convolutional layer does not look at positions: Gated DeltaNet (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention carry
+their state from one document into the next. Gated DeltaNet is packed exactly: every document
 restarts its recurrent state and its short convolution, as if it had a row of its own.
 
 transformers' Gated DeltaNet layers call two functions of their modeling module,
@@ -19,7 +25,8 @@ and the originals otherwise:
   documents of the flattened rows) where it is installed; else transformers' torch reference
   one document at a time (a CPU path, for the tests: every document's state starts at zero).
 
-Any other layer that carries state is refused for packing and context parallelism in one line.
+Any other layer that carries state is refused for packing in one line. Context parallelism, which
+splits rows rather than packing them, refuses every such layer (`cp_unsupported`, its one rule).
 """
 
 from __future__ import annotations
@@ -29,17 +36,18 @@ import importlib
 import sys
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, masking_utils
 from transformers.activations import ACT2FN
 
 from sft.errors import UserError
+from sft.models.build import attends_fully, decoder
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
 STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
 # Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
-                    "DeltaAttention", "Recurrent")
+                    "DeltaAttention", "Rglru")
 # The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
 DOCUMENT_ENDS = "sft_document_ends"
 
@@ -49,8 +57,13 @@ class PackingError(UserError):
 
 
 def _stateful_mixers(model: PreTrainedModel) -> dict[str, type]:
-    """The classes of `model`'s modules that carry state along a row, by name."""
-    return {type(m).__name__: type(m) for m in model.modules() if any(k in type(m).__name__ for k in _STATEFUL_MIXERS)}
+    """The classes of `model`'s modules that carry state along a row, by name: the innermost modules
+    whose class names say so (not the blocks or the model around them, nor norms named after them)."""
+    def named(module) -> bool:
+        name = type(module).__name__
+        return any(k in name for k in _STATEFUL_MIXERS) and not name.endswith(("Norm", "NormGated"))
+    return {type(m).__name__: type(m) for m in model.modules()
+            if named(m) and not any(named(inner) for inner in m.modules() if inner is not m)}
 
 
 def stateful_layers(model: PreTrainedModel) -> str | None:
@@ -60,7 +73,8 @@ def stateful_layers(model: PreTrainedModel) -> str | None:
     mixers = sorted(_stateful_mixers(model))
     if not kinds and not mixers:
         return None
-    return f"{type(model).__name__}'s {' and '.join(sorted(kinds) or ['recurrent'])} layers ({', '.join(mixers)})"
+    named = f" ({', '.join(mixers)})" if mixers else ""
+    return f"{type(model).__name__}'s {' and '.join(sorted(kinds) or ['recurrent'])} layers{named}"
 
 
 def _exact_modules(model: PreTrainedModel) -> list[object] | None:
@@ -79,10 +93,39 @@ def _exact_modules(model: PreTrainedModel) -> list[object] | None:
     return modules
 
 
+def builds_document_masks(model: PreTrainedModel) -> bool:
+    """Whether `model` builds its attention masks from the position ids, so that the documents of a
+    packed row do not see each other: its own forward is run (on the meta device: nothing is
+    computed) on a packed row's positions, watching whether transformers looks for the documents."""
+    looked = []
+    find = masking_utils.find_packed_sequence_indices
+
+    def watched(position_ids: torch.Tensor):
+        looked.append(position_ids)
+        return find(position_ids)
+
+    masking_utils.find_packed_sequence_indices = watched
+    try:
+        with torch.no_grad():
+            decoder(model)[1](input_ids=torch.ones((1, 4), dtype=torch.long, device="meta"),
+                             position_ids=torch.tensor([[0, 1, 0, 1]]), use_cache=False)
+    except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: what matters was seen
+        pass
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+    return bool(looked)
+
+
 def check_packing(model: PreTrainedModel, packing: bool) -> None:
-    """data.packing on a model whose layers carry state: their documents restart exactly
-    (enable_exact_packing), or one line naming the layers."""
-    if not packing or not (layers := stateful_layers(model)):
+    """data.packing: the model's attention keeps documents apart, and its layers that carry state
+    restart at each document (enable_exact_packing); else one line naming what mixes them."""
+    if not packing:
+        return
+    if not builds_document_masks(model):
+        raise PackingError(f"data.packing=true: {type(model).__name__} does not build its attention masks from the "
+                           "position ids where packed documents restart (in this transformers), so its documents "
+                           "would see each other; set data.packing=false")
+    if not (layers := stateful_layers(model)):
         return
     if _exact_modules(model) is None:
         raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
@@ -174,3 +217,19 @@ def _delta_rule_by_document(original):
         return out.reshape(batch, length, *out.shape[2:]), None
 
     return chunk_gated_delta_rule
+
+
+def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
+    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
+    model). The one rule: context parallelism refuses these, and the planner never suggests a
+    cp.degree for them."""
+    config = model.config.get_text_config()
+    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
+        return "mixture-of-experts models are not supported yet"
+    if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
+        return f"{layers} carry state along the row"
+    if not attends_fully(model):
+        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout is not supported (set the model's attention_dropout to 0)"
+    return None

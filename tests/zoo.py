@@ -1,0 +1,218 @@
+"""The model zoo: every causal-LM family of the installed transformers (and the vision-language ones
+whose language model has a causal class), as a tiny random model from its own config class, through
+our path: built as train.py builds it (sft/models/build.py: attention it can run, the language model
+of a vision-language checkpoint, our MoE blocks, exact packing or its refusal), initialised by the
+architecture's own init, a few steps of AdamW on one batch (the loss falls), packed against padded
+rows (equal, or refused in one line), the export's hub layout loaded back by transformers (the same
+class, its loss equal to ours), and whether context parallelism, expert parallelism and LoRA take it.
+
+    python tests/zoo.py            # writes docs/models.md from the results (make models-doc)
+
+tests/integration/test_model_zoo.py runs each family and checks its row of docs/models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from helpers import REPO, VISION_LANGUAGE, synthetic_global_batch, tiny_model_dir, vision_language_model_dir
+
+# Families whose tiny config needs more than helpers.TINY: multi-head latent attention (the rotary
+# part of a head is head_dim; as many key/value heads as query heads), rotary widths of their own.
+OVERRIDES = {
+    **{mt: {"head_dim": 8, "num_key_value_heads": 4} for mt in (
+        "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash", "youtu",
+        "axk1", "axk2", "kimi_k2", "minicpm3", "sarvam_mla")},
+    "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
+    "phimoe": {"router_jitter_noise": 0.0},
+    "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
+}
+STEPS = 4
+MAX_PARAMETERS = 30e6  # a family whose config ignores the tiny widths is listed, not built
+COLUMNS = ("family", "class", "kind", "packing", "context parallelism", "expert parallelism", "LoRA", "status")
+
+
+@dataclasses.dataclass
+class Row:
+    family: str
+    cls: str = ""
+    kind: str = ""
+    packing: str = ""
+    cp: str = ""
+    ep: str = ""
+    lora: str = ""
+    status: str = ""
+
+    def markdown(self) -> str:
+        return "| " + " | ".join(c.replace("|", "/") for c in dataclasses.astuple(self)) + " |"
+
+
+def families() -> list[str]:
+    """Every model type of transformers' causal-LM mapping, and the vision-language ones we build tiny."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(VISION_LANGUAGE)) + [f"{mt} (vision-language)"
+                                                                                   for mt in sorted(VISION_LANGUAGE)]
+
+
+def _reason(error: BaseException) -> str:
+    """The error's text, short, without the temporary directory it names."""
+    text = re.sub(r"model\.name_or_path='[^']*': ", "", " ".join(str(error).split())) or type(error).__name__
+    return text[:140] + ("…" if len(text) > 140 else "")
+
+
+def check_family(family: str, tmp: Path) -> Row:
+    """The row of `family`: what our path does with its tiny model (see the module's docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import LoRAConfig, ModelConfig, MoEConfig
+    from sft.data.collate import collate, collate_packed
+    from sft.models.build import (build_meta_model, decoder_blocks, materialize, model_config, persistent_buffers,
+                                  real_buffers)
+    from sft.models.hub import to_hub_tensors, write_safetensors
+    from sft.models.lora import apply_lora
+    from sft.models.moe import apply_moe
+    from sft.models.packing import check_packing, cp_unsupported, stateful_layers
+    from sft.models.vision_language import is_vision_language
+    from sft.models.weights import RandomWeights, SafetensorsWeights, load_weights
+    from sft.training.loss import attach_sft_loss, loss_inputs
+
+    row = Row(family)
+    model_type = family.removesuffix(" (vision-language)")
+    vision_language = model_type != family
+    try:
+        directory = (vision_language_model_dir(tmp, model_type) if vision_language
+                     else tiny_model_dir(tmp, model_type, **OVERRIDES.get(model_type, {})))
+        cfg = ModelConfig(name_or_path=str(directory), init="pretrained" if vision_language else "random")
+        if not vision_language and is_vision_language(model_config(cfg)):
+            row.status = "not built: a vision-language config without a tiny checkpoint in the zoo (tests/helpers.py)"
+            return row
+        model = build_meta_model(cfg)
+    except Exception as e:  # noqa: BLE001 -- the zoo lists what does not build, with its reason
+        row.status = f"not built: {_reason(e)}"
+        return row
+    row.cls = type(model).__name__
+    if (size := sum(p.numel() for p in model.parameters())) > MAX_PARAMETERS:
+        row.status = f"not built: its config class makes {size / 1e6:.0f}M parameters of the generic tiny widths"
+        return row
+    moe = apply_moe(model, MoEConfig())
+    stateful = stateful_layers(model)
+    row.kind = ("vision-language, " if vision_language else "") + (
+        "MoE" + (" (general path)" if moe.general else "") if moe else "dense") + (", hybrid" if stateful else "")
+    try:
+        check_packing(model, packing=True)
+        row.packing = "exact" if stateful else "yes"
+    except Exception as e:  # noqa: BLE001
+        row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"
+    row.cp = "no: " + why if (why := cp_unsupported(model, moe=moe is not None)) else "yes"
+    row.ep = ("yes" if moe and not moe.general else "no (general path)") if moe else "—"
+    try:
+        fresh = build_meta_model(cfg)
+        lora = apply_lora(fresh, decoder_blocks(fresh), LoRAConfig(rank=4), torch.float32)
+        row.lora = f"yes ({', '.join(lora.targets)})"
+    except Exception as e:  # noqa: BLE001
+        row.lora = f"no: {_reason(e)}"
+    try:
+        buffers = real_buffers(model)
+        materialize(model, buffers, torch.device("cpu"))
+        weights = SafetensorsWeights(cfg.name_or_path, model) if vision_language else RandomWeights(cfg, 0)
+        load_weights(model, weights, torch.device("cpu"))
+        attach_sft_loss(model)
+        samples = synthetic_global_batch(4)
+        padded, packed = collate(samples, 0, 256), collate_packed([samples[:2], samples[2:]], 0, 256)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(STEPS):
+            if moe:
+                moe.begin_step(padded["real_tokens"].sum())
+                moe.begin_micro_batch(padded["real_tokens"])
+            loss = model.sft_loss(**loss_inputs(padded))
+            if moe:
+                moe.end_micro_batch()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        if not losses[-1] < losses[0]:
+            row.status = "loss did not fall"
+            return row
+        with torch.no_grad():
+            model.eval()
+            if row.packing in ("yes", "exact"):
+                as_padded, as_packed = (model.sft_loss(**loss_inputs(b)).item() for b in (padded, packed))
+                if abs(as_packed - as_padded) > 1e-4 * abs(as_padded):
+                    row.packing = "differs from padded rows"
+            # the export's layout, loaded back by transformers: same class, same logits
+            export = tmp / f"export_{model_type}"
+            export.mkdir()
+            tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}  # what an export writes
+            write_safetensors(to_hub_tensors(model.config.model_type, tensors.items()), export)
+            model.config.save_pretrained(export)
+            loaded = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+            inputs = loss_inputs(padded)
+            ours = model.sft_loss(**inputs).item() / len(inputs["target_ids"])  # our loss path, head and all
+            theirs = loaded(input_ids=padded["input_ids"], labels=padded["labels"], use_cache=False).loss.item()
+            if type(loaded) is not type(model) or abs(ours - theirs) > 1e-4 * abs(theirs):
+                row.status = f"differs from transformers' loss ({ours:.5f} here, {theirs:.5f} there)"
+                return row
+        row.status = "trains, exports"
+    except Exception as e:  # noqa: BLE001
+        row.status = f"fails: {_reason(e)}"
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    header = "| " + " | ".join(COLUMNS) + " |\n|" + "---|" * len(COLUMNS)
+    return header + "\n" + "\n".join(row.markdown() for row in rows)
+
+
+def main() -> None:
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "models.md")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in families():
+            rows.append(check_family(family, Path(tmp)))
+            print(rows[-1].markdown(), flush=True)
+    trains = sum(row.status.startswith("trains") for row in rows)
+    args.out.write_text(HEADER.format(version=transformers.__version__, trains=trains, total=len(rows)) + table(rows)
+                        + "\n")
+
+
+HEADER = """# Does it take my model?
+
+<!-- generated with transformers {version} -->
+Every causal-LM family of transformers {version} (and the vision-language checkpoints whose
+language model has a causal class), as a tiny random model built from transformers' own config
+class, through the trainer's path on a CPU: built as a run builds it, initialised, {steps} steps
+of AdamW on one batch (the loss falls), packed rows against padded ones, and the export's layout
+loaded back by transformers (the same class; its own loss equals the trainer's, logit scales and
+soft caps included). **{trains} of {total} train.** Generated by
+`python tests/zoo.py` (`make models-doc`); `tests/integration/test_model_zoo.py` checks every row.
+A family that is not built lists transformers' reason (most are encoder-decoder or audio models in
+the causal-LM mapping, or need a config this generic tiny one does not give them).
+
+Columns: *kind* — dense, MoE (our path: the model's routing with grouped-GEMM experts and expert
+parallelism; general path: transformers' block as it is), hybrid (layers that carry state along
+the row), vision-language (the language model trained alone, the original exported:
+docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet: every document restarts the state),
+or refused with the layers named; *context parallelism* and *expert parallelism* — whether
+`cp.degree` and `moe.ep_degree` take it; *LoRA* — the Linear layers `all-linear` adapts.
+
+""".replace("{steps}", str(STEPS))
+
+
+if __name__ == "__main__":
+    main()
