@@ -49,6 +49,9 @@
 #   ep30b     issue #36, for 2 GPUs: the same stand-in at 4 rows x 4096 tokens per GPU without and with expert
 #             parallelism (moe.ep_degree=NGPU; TRACE=1 profiles it at steps 9-10), and with it at 2 rows; then the
 #             peer at 4 and 2 rows (PEER_BS), without AC (PEER_AC; its faster variant at both sizes in #26)
+#   moonlight issue #46, for 2 GPUs: DeepSeek-V3 routing (sigmoid, correction bias, shared experts, MLA) at
+#             Moonlight-16B-A3B's shapes, random init, P-7B rows: MOONLIGHT_BLOCKS (default 10) of its 27 blocks, fp32
+#             state, 4 rows a GPU; then the whole model with plan.auto (lean state allowed)
 #   leannumerics  issue #36: the float8numerics model and data, fp32 AdamW vs bf16 moments vs bf16 moments +
 #             bf16 master weights (LEANRUNS="state:master ...", LEANSEED, LEANSTEPS), one GPU per run (PER_GPU=2); plot in
 #             docs/lean_state_numerics.png
@@ -130,6 +133,15 @@ moe_standin() {  # the Qwen3-30B-A3B stand-in: its widths with MOE_BLOCKS (defau
   python3 -c "import json, sys; c = json.load(open('configs/models/qwen3-30b-a3b/config.json'))
 c.update(num_hidden_layers=int(sys.argv[2]), max_window_layers=int(sys.argv[2])); json.dump(c, open(sys.argv[1] + '/config.json', 'w'), indent=2)" \
     "$moe" "$blocks"
+  echo "$moe"
+}
+
+moonlight_standin() {  # Moonlight-16B-A3B (DeepSeek-V3 routing) with MOONLIGHT_BLOCKS (default 10) of its 27 blocks; prints its dir
+  local moe=/tmp/moonlight-16b-a3b-${MOONLIGHT_BLOCKS:-10}blocks
+  mkdir -p "$moe"
+  python3 -c "import json, sys; c = json.load(open('configs/models/moonlight-16b-a3b/config.json'))
+c.update(num_hidden_layers=int(sys.argv[2])); json.dump(c, open(sys.argv[1] + '/config.json', 'w'), indent=2)" \
+    "$moe" "${MOONLIGHT_BLOCKS:-10}"
   echo "$moe"
 }
 
@@ -536,6 +548,15 @@ ep30b-ep2-mb2 configs/bench/p7b.yaml model.name_or_path=$moe ac.ratio=0 moe.ep_d
 RUNS
       moe_loads runs/bench/ep30b-*
       for bs in ${PEER_BS:-4 2}; do peer_moe "$moe" "$bs" ${PEER_AC:-none}; done ;;
+    moonlight)  # issue #46, for 2 GPUs: DeepSeek-V3 routing at Moonlight-16B-A3B's shapes (random init, P-7B rows):
+      # MOONLIGHT_BLOCKS of its 27 blocks with fp32 state, and the whole model under plan.auto (lean state allowed)
+      p7b_data 4
+      ml=$(moonlight_standin)
+      ac_runs moonlight <<RUNS
+moonlight-blocks-mb4 configs/bench/p7b.yaml model.name_or_path=$ml ac.ratio=0 train.micro_batch_size=4
+moonlight-whole-auto configs/bench/p7b.yaml model.name_or_path=configs/models/moonlight-16b-a3b plan.auto=true plan.allow_lean_state=true
+RUNS
+      moe_loads runs/bench/moonlight-* ;;
     lora)
       p7b_data
       LORA="lora.rank=16 lora.alpha=32" TRACED=${TRACE:+logging.profile_steps=[9,10]}

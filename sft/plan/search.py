@@ -96,19 +96,23 @@ def text_of(overrides: dict) -> str:
 
 
 def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, dict] | None:
-    """The first layout, in this order, with which some setting fits where `cfg`'s does not: expert
+    """The first layout, in this order, with which some setting fits where `cfg`'s does not: with
+    `lean` bf16 Adam moments, then also bf16 master weights and gradient reduction; then expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
-    experts; the same numerics), then with `lean` also bf16 Adam moments, then also bf16 master
-    weights and gradient reduction. Each step adds to the ones before; a step the config's checks
-    refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As (config, suggest's
-    choice, its overrides); where none fits, the roomiest with choice None; None if there is none."""
+    experts; the same numerics). Expert parallelism comes last because it has been slower wherever
+    it was measured: on 2 H200, the whole Moonlight-16B-A3B with 8 bytes of state ran 11,379
+    tok/s/GPU without it and 6,868 with it (micro-batch 2, ac 1 attention), and its plan.auto choice
+    with it and float32 state 4,138 (docs/BENCHMARKS.md). Each step adds to the ones before; a step
+    the config's checks refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As
+    (config, suggest's choice, its overrides); where none fits, the roomiest with choice None; None
+    if there is none."""
     shard_ranks = ParallelDims.of(cfg, m.gpus).shard_ranks
     steps = []
-    if s.experts and cfg.moe.ep_degree == 1 and shard_ranks > 1 and s.experts % shard_ranks == 0:
-        steps.append({"moe.ep_degree": shard_ranks})
     if lean:
         steps += [{"optim.state_dtype": "bfloat16"},
                   {"optim.master_dtype": "bfloat16", "fsdp.reduce_dtype": "bfloat16"}]
+    if s.experts and cfg.moe.ep_degree == 1 and shard_ranks > 1 and s.experts % shard_ranks == 0:
+        steps.append({"moe.ep_degree": shard_ranks})
     roomier, overrides = cfg, {}
     for step in steps:
         candidate = copy.deepcopy(roomier)
