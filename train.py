@@ -34,7 +34,7 @@ from sft.errors import run_command
 from sft.models.build import check_vocabulary, load_tokenizer
 from sft.models.float8 import precompute_scales_after_each_step
 from sft.parallel.mesh import ParallelDims
-from sft.plan import apply_auto_plan, check_fits, gpu_memory_gib
+from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_memory_gib
 from sft.profiling import StepProfiler
 from sft.training.evaluate import Evaluations
 from sft.training.loss import forward_backward
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
         log0(warning)  # before anything is allocated: this run may not fit
+    if gpu_mem_gib:
+        explain_out_of_memory(cfg, env.world_size, gpu_mem_gib)  # an OOM anywhere: one line, what fits
     # The model: built on meta in the fixed order, parallelized, materialised (sft/training/model.py).
     built = build_training_model(cfg, dims, env.device)
     model, moe = built.model, built.moe

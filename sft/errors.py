@@ -27,6 +27,15 @@ class UserError(Exception):
 # How long ranks other than 0 wait before exiting on a shared error (torchrun ends them sooner).
 SHARED_ERROR_GRACE_S = 5.0
 
+# Errors that are not bad input but that an entry point can explain in one line once it knows enough
+# (train.py: running out of GPU memory, with the planner's prediction): kind -> its explanation.
+_EXPLAINED: dict[type[BaseException], Callable[[BaseException], UserError]] = {}
+
+
+def explain(kind: type[BaseException], explanation: Callable[[BaseException], UserError]) -> None:
+    """From now on, `run_command` reports a `kind` error as the UserError `explanation` makes of it."""
+    _EXPLAINED[kind] = explanation
+
 
 def run_command(main: Callable[[], int | None]) -> None:
     """Run an entry point (train.py, `python -m sft.<tool>`) and exit with its status. Bad input is
@@ -39,7 +48,10 @@ def run_command(main: Callable[[], int | None]) -> None:
     # entry point (in-process test calls register it again: freezing twice at exit is harmless).
     atexit.register(gc.freeze)
     try:
-        sys.exit(main())
+        try:
+            sys.exit(main())
+        except tuple(_EXPLAINED) as e:  # noqa: B030 -- the kinds registered so far
+            raise next(explanation(e) for kind, explanation in _EXPLAINED.items() if isinstance(e, kind)) from None
     except UserError as e:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or not e.shared:

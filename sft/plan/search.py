@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from sft.config import Config, ConfigError
+from sft.errors import UserError, explain
 from sft.config.checks import range_checks
 from sft.models.build import build_meta_model
 from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, recompute_fraction
@@ -154,6 +155,25 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
     return (f"plan.auto: {note}{as_overrides(*choice)} (predicted {predicted:.1f} GiB per GPU"
             + ("" if choice == configured else f"; the config said {as_overrides(*configured)}") + ")")
+
+
+def explain_out_of_memory(cfg: Config, world_size: int, gpu_mem_gib: float) -> None:
+    """From now on, running out of GPU memory ends the run with one line: what this rank held at its
+    peak, the planner's prediction for this layout, and a setting that fits, or what to change
+    (worked out when it happens: no start-up cost)."""
+    def explanation(error: BaseException) -> UserError:
+        s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
+        m = Machine.of(world_size, gpu_mem_gib)
+        predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
+        peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+        fitting = suggest(s, cfg, m)
+        fix = (f"set {as_overrides(*fitting)} (or plan.auto: true)" if fitting else
+               f"nothing fits this layout; `python -m sft.plan --config <this config> --gpus {world_size} "
+               f"--gpu-mem {gpu_mem_gib:.0f}` names one that does")
+        layout = as_overrides(cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
+        return UserError(f"out of GPU memory (this rank's peak {peak:.1f} GiB of {gpu_mem_gib:.0f}; the planner "
+                         f"predicted {predicted:.1f} GiB per GPU for {layout}): {fix}")
+    explain(torch.OutOfMemoryError, explanation)
 
 
 def gpu_memory_gib(cfg: Config, device) -> float | None:

@@ -537,3 +537,30 @@ def test_plan_names_the_roomier_layout_or_says_how_close_it_comes(at_repo, capsy
     assert status == 1
     assert ("nor with optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 fsdp.reduce_dtype=bfloat16 moe.ep_degree=2 "
             "(8 bytes of state per parameter): the least any setting needs is 121.9 GiB per GPU") in out
+
+
+def test_out_of_gpu_memory_is_one_line_with_the_planner_s_prediction_and_a_setting_that_fits(tmp_path, capsys):
+    """train.py registers the explanation once it knows the GPUs; an OutOfMemoryError raised anywhere
+    after that ends the run with one line (no traceback): the planner's prediction for the layout
+    and a setting that fits (P-7B on 2 x 80 GiB at micro-batch 4 and no checkpointing does not)."""
+    from sft.config import load_config
+    from sft.errors import run_command
+    import torch
+
+    from sft.plan import explain_out_of_memory
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "train.micro_batch_size=4"])
+
+    def main() -> int:
+        explain_out_of_memory(cfg, 2, 80.0)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_command(main)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("error: out of GPU memory (this rank's peak ")
+    assert "the planner predicted" in err and "GiB per GPU for ac.ratio=0 ac.mode=blocks train.micro_batch_size=4" in err
+    assert "): set ac.ratio=" in err and "(or plan.auto: true)" in err
