@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from helpers import (REPO, demo_args, eval_losses, one_entry_per_step, run_demo, run_torchrun, start_in_background,
+from helpers import (REPO, demo_args, eval_losses, hf_eval_loss, one_entry_per_step, run_demo, run_torchrun, start_in_background,
                      train_losses as train_steps, wait_for_step, with_test_hooks)
 from sft.checkpoint.layout import checkpoint_problem, content_problem
 from sft.training.preemption import LAUNCHER_GONE, REQUEUE_EXIT_CODE
@@ -303,11 +302,6 @@ def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data
     exports again after the original model directory is gone, to the same bytes."""
     from transformers import AutoModelForCausalLM
 
-    from sft.data.collate import collate
-    from sft.config import ModelConfig, load_config
-    from sft.data.prepare import load_sft_data
-    from sft.models.build import load_tokenizer
-
     model_dir = shutil.copytree(REPO / "configs" / "demo" / "model", tmp_path / "model")
     args = demo(demo_data, tmp_path, "exported", "train.max_steps=5", "checkpoint.export_hf=true",
                 "checkpoint.export_dtype=float32", f"model.name_or_path={model_dir}")
@@ -322,16 +316,7 @@ def test_export_loads_in_transformers_with_the_trained_model(tmp_path, demo_data
 
     model = AutoModelForCausalLM.from_pretrained(again)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    cfg = load_config(REPO / "configs" / "demo.yaml", args[3:])
-    _, evals = load_sft_data(cfg.data, load_tokenizer(ModelConfig(name_or_path=str(again))), seed=0)
-    ce, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(evals), 8):
-            batch = collate([evals[i] for i in range(start, min(start + 8, len(evals)))], 0, 256)
-            n = int((batch["labels"][:, 1:] != -100).sum())
-            ce += model(**batch).loss.item() * n
-            count += n
-    assert ce / count == pytest.approx(final_eval, rel=1e-5)
+    assert hf_eval_loss(model, demo_data, again) == pytest.approx(final_eval, rel=1e-5)
 
 
 def test_prepared_model_cache_is_written_once_and_reused(tmp_path, demo_data):
