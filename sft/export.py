@@ -76,7 +76,9 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
                 tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
                 # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
-                trained = to_hub_tensors(model.config.model_type, ((n, t.to(DTYPES[dtype])) for n, t in tensors))
+                kept_dtype = _kept_in_their_dtype(model)
+                trained = to_hub_tensors(model.config.model_type, ((n, t if n in kept_dtype else t.to(DTYPES[dtype]))
+                                                                   for n, t in tensors))
                 kept = checkpoint / HF_FILES / KEPT
                 if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
                     write_safetensors(_with_kept(trained, kept), tmp)
@@ -91,6 +93,16 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
         raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
                         "over an existing one)") from None
     return "the LoRA adapter" if cfg.lora.enabled and not merge else "a Hugging Face model"
+
+
+def _kept_in_their_dtype(model) -> set[str]:
+    """Tensors the export writes in float32 whatever --dtype says: the buffers a checkpoint holds
+    (DeepSeek-V3's correction bias: a bf16 copy would lose its updates) and what the architecture
+    keeps in float32 (`_keep_in_fp32_modules(_strict)`: DeepSeek-V3's and GLM-4.5's routers)."""
+    names = {name for name, _ in model.named_parameters()} | set(persistent_buffers(model))
+    fp32 = [*(getattr(model, "_keep_in_fp32_modules", None) or []), *(getattr(model, "_keep_in_fp32_modules_strict",
+                                                                             None) or [])]
+    return set(persistent_buffers(model)) | {name for name in names if any(f".{part}" in f".{name}" for part in fp32)}
 
 
 def _with_kept(trained: Iterator[tuple[str, torch.Tensor]], kept: Path) -> Iterator[tuple[str, torch.Tensor]]:

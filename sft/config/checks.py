@@ -75,6 +75,8 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
     check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", cfg.moe.bias_update_rate,
           "must be >= 0 (0 keeps the checkpoint's correction bias)")
+    check(not (cfg.moe.bias_update_rate and cfg.lora.enabled), "moe.bias_update_rate", cfg.moe.bias_update_rate,
+          "a LoRA run keeps the base's correction bias frozen (its checkpoints hold the adapters alone); set it to 0")
     check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
           "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
           "optim.state_dtype / optim.master_dtype yourself")

@@ -76,12 +76,21 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     raise AssertionError(f"unsupported config annotation {annotation!r} for {key}")
 
 
-def _build_section(cls: type, values: dict, prefix: str, problems: list[str]) -> Any:
+# Keys of earlier versions that nothing reads any more, and why: a run's saved config.yaml that holds
+# one still loads (its checkpoints export and resume); a config file that sets one is told to drop it.
+RETIRED = {"moe.router_fp32": "routers compute as the model's own code does (sft/models/moe.py)"}
+
+
+def _build_section(cls: type, values: dict, prefix: str, problems: list[str], saved: bool = False) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            if not saved:
+                problems.append(f"{dotted}: retired ({RETIRED[dotted]}); remove it")
+            continue
         if key not in hints:
             problems.append(f"{dotted}: unknown key (valid keys{' in ' + prefix[:-1] if prefix else ''}: "
                             f"{', '.join(names)})")
@@ -92,7 +101,7 @@ def _build_section(cls: type, values: dict, prefix: str, problems: list[str]) ->
                 keys = ", ".join(f.name for f in dataclasses.fields(annotation))
                 problems.append(f"{dotted}: must be a mapping of keys ({keys})")
                 continue
-            kwargs[key] = _build_section(annotation, value, f"{dotted}.", problems)
+            kwargs[key] = _build_section(annotation, value, f"{dotted}.", problems, saved)
             continue
         try:
             kwargs[key] = _coerce(value, annotation, dotted)
@@ -155,7 +164,7 @@ def read_resolved_config(path: Path) -> Config:
     """The config a run resolved and saved (a checkpoint's config.yaml), typed through the schema but
     not checked again: it was checked when the run started, and some checks hold only where it ran."""
     problems: list[str] = []
-    cfg = _build_section(Config, yaml.safe_load(path.read_text()) or {}, "", problems)
+    cfg = _build_section(Config, yaml.safe_load(path.read_text()) or {}, "", problems, saved=True)
     if problems:
         raise ConfigError(f"{path} does not fit this version's config ({'; '.join(problems)})")
     return cfg

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -64,15 +65,17 @@ def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
     except ImportError:  # a transformers without conversion mappings: fused in the files
         return None
     block, names = "", {}
-    for transform in transforms:
-        sources, targets = list(transform.source_patterns), list(transform.target_patterns)
+    for transform in transforms:  # their patterns are regular expressions: literal names where escaped
+        sources, targets = ([re.sub(r"\\(.)", r"\1", p) for p in patterns]
+                            for patterns in (transform.source_patterns, transform.target_patterns))
         if targets == [".mlp."] and len(sources) == 1:  # e.g. Mixtral's .block_sparse_moe.
             block = sources[0].strip(".")
         elif len(targets) == 1 and targets[0].endswith(("experts.gate_up_proj", "experts.down_proj")):
             names[targets[0].rpartition(".")[2]] = [s.rpartition("experts.*.")[2].removesuffix(".weight")
                                                     for s in sources]
-    if len(names.get("gate_up_proj", ())) != 2 or len(names.get("down_proj", ())) != 1:
-        return None
+    if len(names.get("gate_up_proj", ())) != 2 or len(names.get("down_proj", ())) != 1 or not all(
+            re.fullmatch(r"\w*", n) for n in (block, *names["gate_up_proj"], *names["down_proj"])):
+        return None  # not plain names of this form: left fused (check() says what the files lack)
     (gate, up), (down,) = names["gate_up_proj"], names["down_proj"]
     return block, gate, up, down
 
@@ -93,11 +96,15 @@ def is_fused_expert(name: str) -> bool:
     return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
 
 
+# A dense layer's MLP (Kimi-Linear's first layers), which keeps its name where sparse blocks are renamed.
+_DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.")
+
+
 def hub_name(model_type: str, name: str) -> str:
     """The hub name of a non-expert tensor (Mixtral's and MiniMax-M2's sparse blocks, their router
     and bias included, live under block_sparse_moe)."""
     layout = hub_layout(model_type)
-    if layout and layout[0] and ".mlp." in name:
+    if layout and layout[0] and ".mlp." in name and not _DENSE_MLP.search(name):
         return name.replace(".mlp.", f".{layout[0]}.")
     return name
 

@@ -138,8 +138,9 @@ class SparseMoE:
         if real is None or not torch.is_grad_enabled():
             return output
         out = output[0] if isinstance(output, tuple) else output  # gpt-oss: (hidden states, router scores)
-        top_i = self.experts.top_k_index
-        probs = self._modules[self.router_name].router_logits.float().softmax(dim=-1)
+        top_i, self.experts.top_k_index = self.experts.top_k_index, None  # not kept past the block
+        router = self._modules[self.router_name]
+        probs, router.router_logits = router.router_logits.float().softmax(dim=-1), None
         num_experts = probs.shape[-1]
         tokens = real.sum().clamp(min=1)
         load = torch.zeros(num_experts, dtype=torch.float32, device=out.device).scatter_add_(
@@ -234,6 +235,9 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         if cfg.ep_degree > 1:
             raise MoEError(f"moe.ep_degree={cfg.ep_degree}: {type(sparse[0][1]).__name__}'s experts are not of "
                            "transformers' experts interface, which expert parallelism runs; set moe.ep_degree=1")
+        if cfg.bias_update_rate:
+            raise MoEError(f"moe.bias_update_rate={cfg.bias_update_rate}: {type(sparse[0][1]).__name__} blocks take "
+                           "the general path, whose routing is transformers' alone; set it to 0")
         return MoE([], coef, active_parameters(model), cfg.bias_update_rate, general=type(sparse[0][1]).__name__)
     if num_experts % cfg.ep_degree:
         raise MoEError(f"moe.ep_degree={cfg.ep_degree}: must divide the {num_experts} experts of each MoE block")
@@ -253,7 +257,11 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
     # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    return MoE(blocks, coef, active, cfg.bias_update_rate)
+    moe = MoE(blocks, coef, active, cfg.bias_update_rate)
+    if cfg.bias_update_rate and not moe.biased:
+        raise MoEError(f"moe.bias_update_rate={cfg.bias_update_rate}: {type(model).__name__}'s routers have no "
+                       "correction bias (e_score_correction_bias) to move; set it to 0")
+    return moe
 
 
 def active_parameters(model: nn.Module) -> int:

@@ -137,6 +137,7 @@ def check_packing(model: PreTrainedModel, packing: bool) -> None:
 def enable_exact_packing(model: PreTrainedModel) -> None:
     """Put the document-aware convolution and delta rule in the place of the functions `model`'s
     Gated DeltaNet layers call (once per modeling module)."""
+    model.sft_document_ends = True  # its packed rows pass their documents' ends (sft/training/loss.py)
     for module in _exact_modules(model) or []:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
             module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn)

@@ -175,7 +175,7 @@ class RandomWeights:
 
     def __init__(self, cfg: ModelConfig, seed: int):
         self.reference = build_meta_model(cfg, constructed_below=CONSTRUCTED_BELOW)
-        self.buffers = real_buffers(self.reference)  # as built (persistent ones: the architecture's init)
+        self.buffers = real_buffers(self.reference)  # as the constructor made them
         self.constructed = {clean_name(n): p.detach().clone() for n, p in self.reference.named_parameters()
                             if not p.is_meta}
         self.seed = seed
@@ -199,12 +199,14 @@ class RandomWeights:
                 torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
                 self.reference._init_weights(module)
                 for local, param in module.named_parameters(recurse=False):
-                    if param.isnan().all():
-                        constructed = self.constructed.get(f"{module_name}.{local}")
-                        if constructed is None:
-                            raise ModelError(f"{type(self.reference).__name__}: its _init_weights leaves "
-                                             f"{module_name}.{local} unset; use model.init: pretrained")
-                        param.copy_(constructed)
+                    unset = param.isnan()
+                    if not unset.any():
+                        continue
+                    constructed = self.constructed.get(f"{module_name}.{local}")
+                    if constructed is None or not unset.all():
+                        raise ModelError(f"{type(self.reference).__name__}: its _init_weights leaves "
+                                         f"{module_name}.{local} unset; use model.init: pretrained")
+                    param.copy_(constructed)
             self._module_name = module_name
         return getattr(module, param_name).detach()[index]
 

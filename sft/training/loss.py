@@ -134,7 +134,7 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
     document ends reach the layers that carry state (sft/models/packing.py); attention
     keeps documents apart by their positions."""
     extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
-    if document_ends is not None:
+    if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
         extra[DOCUMENT_ENDS] = document_ends
     hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
@@ -154,6 +154,11 @@ def attach_sft_loss(model: PreTrainedModel) -> None:
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ModelError(f"{type(model).__name__}: the output layer is not a bias-free Linear, which the fused "
                          "lm_head + cross-entropy needs; this architecture is not supported")
+    text = model.config.get_text_config()
+    if getattr(text, "logits_soft_cap", None) or "final_logits_bias" in dict(model.named_buffers()):
+        raise ModelError(f"{type(model).__name__}: its head post-processes logits in a way the fused lm_head + "
+                         "cross-entropy does not (a logits_soft_cap or a final_logits_bias); this architecture is "
+                         "not supported")
     model.sft_logits = Logits.of(model.config)  # its scale and soft cap, which the fused loss applies
     model.sft_loss = types.MethodType(_sft_loss, model)
     register_fsdp_forward_method(model, "sft_loss")

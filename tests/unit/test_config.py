@@ -267,3 +267,18 @@ def test_a_path_is_local_by_its_form_or_because_the_directory_is_here(path, loca
     from sft.config import is_local_path
 
     assert is_local_path(path) == local
+
+
+def test_a_retired_key_is_dropped_from_a_saved_config_and_named_in_a_config_file(tmp_path):
+    """Checkpoints written before moe.router_fp32 was retired hold it in their config.yaml: they still
+    load (and export); a config file that sets it gets one line saying to remove it."""
+    from sft.config import ConfigError, load_config, read_resolved_config, to_yaml
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(cfg).replace("moe:\n", "moe:\n  router_fp32: true\n"))
+    assert read_resolved_config(saved) == cfg
+    with pytest.raises(ConfigError, match="moe.router_fp32: retired .*; remove it"):
+        load_config(REPO / "configs" / "demo.yaml", [f"data.path={data}", "data.eval_path=null", "moe.router_fp32=true"])
