@@ -370,8 +370,10 @@ class PlanConfig:
     choose without a GPU (e.g. to see its choice on a CPU machine)."""
     allow_lean_state: bool = False
     """Let plan.auto set optim.state_dtype and then optim.master_dtype to bfloat16 (16 -> 12 -> 8
-    bytes of state per parameter) where the run does not fit otherwise. Off: it never changes the
-    optimizer's numerics."""
+    bytes of state per parameter) where the run does not fit otherwise. It takes these before expert
+    parallelism (moe.ep_degree), measured faster on every whole MoE model, so an MoE run that would
+    fit with expert parallelism and float32 state gets the lean state instead. Off: it never changes
+    the optimizer's numerics (and expert parallelism is what plan.auto tries where nothing fits)."""
 
 
 @dataclass
