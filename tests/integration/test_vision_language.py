@@ -58,3 +58,22 @@ def test_vision_language_checkpoint_trains_its_language_model_and_exports_the_or
                     "--dtype", "float32"], cwd=REPO, check=True, capture_output=True)
     assert {name: t.tolist() for name, t in _tensors(again).items()} == {name: t.tolist() for name, t in after.items()}
 
+
+
+def test_lora_on_a_vision_language_checkpoint_merges_into_the_original(tmp_path, demo_data):
+    """LoRA on Qwen3.5 as published: the adapters train on the language model, and `sft.export --merge`
+    writes the original checkpoint with them merged in (its class; the vision tower as it was)."""
+    from transformers import AutoModelForImageTextToText
+
+    source = vision_language_model_dir(tmp_path, "qwen3_5")
+    run_demo(demo_data, tmp_path, "lora", "model.init=pretrained", f"model.name_or_path={source}", "lora.rank=8",
+             "train.max_steps=2", "eval.every_steps=0", "checkpoint.export_hf=false")
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "lora" / "checkpoints" / "step-2"), str(merged),
+                    "--merge", "--dtype", "float32"], cwd=REPO, check=True, capture_output=True)
+    model, info = AutoModelForImageTextToText.from_pretrained(merged, output_loading_info=True)
+    assert type(model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    before, after = _tensors(source), _tensors(merged)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all("language_model" in name for name in changed)  # adapters merged into the LM only
