@@ -99,10 +99,10 @@ def _kept_in_their_dtype(model) -> set[str]:
     """Tensors the export writes in float32 whatever --dtype says: the buffers a checkpoint holds
     (DeepSeek-V3's correction bias: a bf16 copy would lose its updates) and what the architecture
     keeps in float32 (`_keep_in_fp32_modules(_strict)`: DeepSeek-V3's and GLM-4.5's routers)."""
-    names = {name for name, _ in model.named_parameters()} | set(persistent_buffers(model))
+    buffers = set(persistent_buffers(model))
     fp32 = [*(getattr(model, "_keep_in_fp32_modules", None) or []), *(getattr(model, "_keep_in_fp32_modules_strict",
                                                                              None) or [])]
-    return set(persistent_buffers(model)) | {name for name in names if any(f".{part}" in f".{name}" for part in fp32)}
+    return buffers | {name for name, _ in model.named_parameters() if any(f".{part}" in f".{name}" for part in fp32)}
 
 
 def _with_kept(trained: Iterator[tuple[str, torch.Tensor]], kept: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -77,17 +77,16 @@ class FileNames:
 def file_names(file_shapes: dict[str, tuple[int, ...]], base: str, embedding: tuple[int, ...]) -> FileNames:
     """Where the files keep the language model whose parameters are `<base>.X`: found by its token
     embedding (`<base>.embed_tokens.weight`, of shape `embedding`), the only tensor of that name
-    and shape among the files' (`file_shapes`)."""
-    own = f"{base}.embed_tokens.weight"
-    if own in file_shapes:
-        return FileNames(f"{base}.", f"{base}.", "lm_head.weight")
+    and shape among the files' (`file_shapes`); the identity where the files use the model's names
+    (or none or several match: check() then names what is missing)."""
+    identity = FileNames(f"{base}.", f"{base}.", "lm_head.weight")
     found = [name for name, shape in file_shapes.items()
              if name.endswith(".embed_tokens.weight") and tuple(shape) == tuple(embedding)]
-    if len(found) != 1:  # none: check() names what is missing; several: ambiguous, read as a text model
-        return FileNames(f"{base}.", f"{base}.", "lm_head.weight")
-    prefix = found[0].removesuffix("embed_tokens.weight")
+    if f"{base}.embed_tokens.weight" in file_shapes or len(found) != 1:
+        return identity
     heads = [name for name in file_shapes if name.endswith("lm_head.weight")]
-    return FileNames(f"{base}.", prefix, heads[0] if len(heads) == 1 else "lm_head.weight")
+    return FileNames(f"{base}.", found[0].removesuffix("embed_tokens.weight"),
+                     heads[0] if len(heads) == 1 else "lm_head.weight")
 
 
 def kept_names(file_names_: Iterable[str], trained: Iterable[str]) -> list[str]:

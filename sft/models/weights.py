@@ -64,8 +64,8 @@ class SafetensorsWeights:
         self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
-        self.names = file_names(self._file_shapes_by_name(), decoder(model)[0],
-                                tuple(model.get_input_embeddings().weight.shape))
+        self.file_shapes = self._file_shapes_by_name()  # the files' headers, read once
+        self.names = file_names(self.file_shapes, decoder(model)[0], tuple(model.get_input_embeddings().weight.shape))
 
     def digest(self) -> str:
         """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
@@ -123,12 +123,19 @@ class SafetensorsWeights:
 
     def kept(self) -> list[str]:
         """The files' tensors the model does not hold (a vision-language checkpoint's vision tower)."""
-        return kept_names(self.weight_map, self._expected(self._file_shapes_by_name()))
+        return kept_names(self.weight_map, self._expected(self.file_shapes))
+
+    def _file_name(self, name: str) -> str | None:
+        """The files' name of the model's tensor `name` (under the hub's name where that differs), or
+        None where the files do not hold it as one tensor (fused experts: one tensor per expert)."""
+        for candidate in (self.names.of(name), self.names.of(hub.hub_name(self.model_type, name))):
+            if candidate in self.weight_map:
+                return candidate
+        return None
 
     def holds(self, name: str) -> bool:
         """Whether the files hold the model's tensor `name` (a buffer may be absent: its init stands)."""
-        return self.names.of(name) in self.weight_map or self.names.of(hub.hub_name(self.model_type, name)) in \
-            self.weight_map
+        return self._file_name(name) is not None
 
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
@@ -138,7 +145,7 @@ class SafetensorsWeights:
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads."""
-        shapes = self._file_shapes_by_name()
+        shapes = self.file_shapes
         quantized = hub.quantized_experts_problem(self.source, shapes)
         if quantized:
             raise ModelError(quantized)
@@ -152,11 +159,11 @@ class SafetensorsWeights:
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         """Slice `index` of the model's parameter (or hub tensor) `name`."""
-        if self.names.of(name) not in self.weight_map and hub.is_fused_expert(name):
+        file_name = self._file_name(name)
+        if file_name is None and hub.is_fused_expert(name):
             return hub.read_fused_slice(lambda hub, i: self.read(hub, i, device), self.model_type, name,
                                         self.shapes[name], index)
-        file_name = self.names.of(name)
-        file_name = file_name if file_name in self.weight_map else self.names.of(hub.hub_name(self.model_type, name))
+        file_name = file_name or self.names.of(name)  # absent: the KeyError names it (check() said so first)
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
         with self._open(self.weight_map[file_name]) as f:
