@@ -66,6 +66,8 @@
 #             scripts, docs/BENCHMARKS.md), the peer's LoRA variants (PEER_VARIANTS, default "liger_lora
 #             noac_liger_lora liger_qlora") on as many GPUs in the same call. ONLY=regex picks our runs;
 #             TRACE=1: plan.auto's LoRA runs (bf16 and float8 tensorwise) traced at steps 9-10
+#   lora30b   issue #46, one GPU: the whole Qwen3-30B-A3B with LoRA on the attention and every routed expert
+#             (plan.auto; mb 2 ac 1), then the peer (TRL + peft target_parameters, the same adapters) at PEER_BS rows
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
@@ -572,6 +574,25 @@ RUNS
         OUT=$LOGS/peer NGPU=$NGPU VARIANTS=${PEER_VARIANTS:-liger_lora noac_liger_lora liger_qlora} \
           bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/lora.md
       fi ;;
+    lora30b)  # issue #46, one GPU: the whole Qwen3-30B-A3B (random init), LoRA rank 16 on the attention and on every
+      # routed expert (lora.target_modules=[all-linear,experts]), P-7B rows: plan.auto, then mb 2 with every block
+      # checkpointed (ONLY=regex picks); then the peer, TRL + peft's target_parameters on the same adapters
+      # (scripts/trl_moe_bench.py --lora 16, full AC, one GPU without FSDP) at PEER_BS rows (default "2 4")
+      p7b_data
+      L30B="configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 \
+lora.target_modules=[all-linear,experts] optim.lr=2e-4"
+      ac_runs lora30b <<RUNS
+lora30b-auto $L30B plan.auto=true ${TRACE:+logging.profile_steps=[9,10]}
+lora30b-mb2-ac1 $L30B train.micro_batch_size=2 ac.ratio=1
+RUNS
+      for bs in ${PEER_BS:-2 4}; do
+        log=$LOGS/trl-lora30b-bs$bs.log
+        timeout "${RUN_TIMEOUT:-300}" python3 scripts/trl_moe_bench.py train --model configs/models/qwen3-30b-a3b \
+          --random --lora 16 --bs "$bs" --steps "$STEPS" >"$log" 2>&1
+        echo "trl-lora30b-bs$bs: exit $?"
+        if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/lora30b.md
+        else grep -iE "error|out of memory" "$log" | tail -3; fi
+      done ;;
     qlora72b)
       p7b_data
       ac_runs qlora72b <<RUNS

@@ -3,6 +3,14 @@ grouped_mm experts and its own load-balancing loss), on the same shapes and data
 
     python scripts/trl_moe_bench.py make-model CONFIG_DIR OUT_DIR        # random bf16 checkpoint
     torchrun --nproc_per_node N scripts/trl_moe_bench.py train --model OUT_DIR [--ac full|none]
+    python scripts/trl_moe_bench.py train --model CONFIG_DIR --random --lora 16   # LoRA on one GPU
+
+--lora R: peft's LoRA of rank R (alpha 2R, no dropout) on the attention projections and on each routed
+expert (target_parameters experts.gate_up_proj / experts.down_proj, peft >= 0.17), the base frozen in bf16:
+the adapters `sft` trains with lora.target_modules=[all-linear, experts] on Qwen3-MoE, parameter for
+parameter (peft's "all-linear" would also adapt the router and give gate_up_proj rank 2R). One GPU runs
+without FSDP. --random builds the model from CONFIG_DIR's config.json with random bf16
+weights on the GPU (no checkpoint on disk: the whole 30B's 61 GB would not fit a one-GPU machine's disk).
 
 Workload: every sample SEQ random token ids, loss on the second half, BS samples per GPU, grad-acc 1,
 routing computed by the model's router (no fake balancing). Weights load as bf16 (TRL's usual setup:
@@ -49,6 +57,7 @@ def train(args: argparse.Namespace) -> None:
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     gpu = torch.cuda.is_available()  # without GPUs: one process, no FSDP, float32 (a dry run of this script)
+    fsdp = gpu and world > 1
     config = AutoConfig.from_pretrained(args.model)
     samples = args.bs * world * (args.steps + 1)
     ids = torch.randint(2, config.vocab_size, (samples, args.seq), generator=torch.Generator().manual_seed(0))
@@ -60,22 +69,38 @@ def train(args: argparse.Namespace) -> None:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words),
                                         pad_token="<pad>", unk_token="<unk>", eos_token="<pad>")
     layer = config.architectures[0].replace("ForCausalLM", "DecoderLayer")
+    # The model computes its load-balancing loss (output_router_logits) and adds it to the loss.
+    init = {"dtype": torch.bfloat16 if gpu else torch.float32, "output_router_logits": True,
+            **({"experts_implementation": args.experts} if args.experts else {})}
+    model = args.model
+    if args.random:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config.output_router_logits = True
+        with torch.device("cuda" if gpu else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in init.items() if k != "output_router_logits"})
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                 target_parameters=["experts.gate_up_proj", "experts.down_proj"])
     sft_config = SFTConfig(
         output_dir="/tmp/trl_moe_out", per_device_train_batch_size=args.bs, gradient_accumulation_steps=1,
-        max_steps=args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=gpu, use_cpu=not gpu,
-        logging_steps=1, save_strategy="no", report_to=[], max_length=args.seq, packing=False,
-        completion_only_loss=True, dataloader_num_workers=0, seed=0, fsdp="full_shard auto_wrap" if gpu else "",
+        max_steps=args.steps, learning_rate=2e-4 if args.lora else 1e-5, lr_scheduler_type="constant", bf16=gpu,
+        use_cpu=not gpu, logging_steps=1, save_strategy="no", report_to=[], max_length=args.seq, packing=False,
+        completion_only_loss=True, dataloader_num_workers=0, seed=0, fsdp="full_shard auto_wrap" if fsdp else "",
         # TRL turns gradient checkpointing on by default; with FSDP, its own activation_checkpointing does it.
-        gradient_checkpointing=not gpu and args.ac == "full",
+        gradient_checkpointing=not fsdp and args.ac == "full",
         fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": [layer], "reshard_after_forward": True,
                      "activation_checkpointing": args.ac == "full", "state_dict_type": "SHARDED_STATE_DICT"}
-        if gpu else None,
-        # The model computes its load-balancing loss (output_router_logits) and adds it to the loss.
-        model_init_kwargs={"dtype": torch.bfloat16 if gpu else torch.float32, "output_router_logits": True,
-                           **({"experts_implementation": args.experts} if args.experts else {})})
+        if fsdp else None,
+        model_init_kwargs=None if args.random else init)
     timer = StepTimes()
-    trainer = SFTTrainer(model=args.model, args=sft_config, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[timer])
+    trainer = SFTTrainer(model=model, args=sft_config, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[timer], peft_config=peft_config)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -85,7 +110,8 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         print("RESULT " + json.dumps({
             "peer": "trl", "world": world, "seq": args.seq, "bs": args.bs, "ac": args.ac,
-            "experts": args.experts or "default",
+            "experts": args.experts or "default", "lora": args.lora,
+            "trained_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "step_s": step_s, "tok_s_gpu": args.bs * args.seq / step_s,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
             "loss_first": losses[:3], "loss_last": losses[-3:]}), flush=True)
@@ -104,6 +130,8 @@ def main() -> None:
     run.add_argument("--steps", type=int, default=15)
     run.add_argument("--warmup", type=int, default=5)
     run.add_argument("--ac", choices=["full", "none"], default="full")
+    run.add_argument("--lora", type=int, default=0, help="peft LoRA rank on the Linear layers and the routed experts")
+    run.add_argument("--random", action="store_true", help="--model is a config dir: random weights, built here")
     run.add_argument("--experts", help="transformers' experts_implementation (default: its own choice, grouped_mm "
                                        "on GPUs)")
     args = parser.parse_args()

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
                             "into base_model_name_or_path") from None
         with torch.no_grad():
             for name, param in model.named_parameters(remove_duplicate=False):  # a tied lm_head by its name too
-                param.copy_(merged(name, param, trained, scaling))
+                param.copy_(merged(name, param, trained, scaling, model))
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")
     model = model.to(device).train(False)

@@ -145,7 +145,7 @@ def _merged(checkpoint: Path, cfg: Config, base: str, model, shapes: dict) -> It
         weight = trained.get(name)
         if weight is None:
             weight = weights.read(name, (), torch.device("cpu")).float() if weights.holds(name) else built[name]
-        yield name, merged(name, weight, trained, cfg.lora.scaling)
+        yield name, merged(name, weight, trained, cfg.lora.scaling, model)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,6 +89,10 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=0, help="lora.rank (adapters on every Linear of the blocks, "
                    "set to non-zero values: lora_B starts at zero, where the adapters' gradients tell little)")
     p.add_argument("--lora-base", default="bfloat16", help="lora.base (nf4: QLoRA)")
+    p.add_argument("--lora-targets", default="all-linear", help="lora.target_modules, comma-separated (experts: "
+                   "the routed experts too)")
+    p.add_argument("--aux-coef", type=float, help="moe.aux_loss_coef (0: the loss is the cross-entropy alone, as "
+                   "Hugging Face's model computes it without output_router_logits)")
     p.add_argument("--exact-casts", action="store_true", help="compiled code rounds to bf16 where eager does "
                    "(inductor's emulate_precision_casts): a compiled NF4 dequantisation equals the eager reference's")
     return p.parse_args(flags)
@@ -116,13 +120,25 @@ def set_adapters(model: torch.nn.Module) -> None:
                     param.copy_(full_value)
 
 
-def lora_reference(model, samples: list[dict], rank: int, base: str) -> dict:
+def lora_reference(model, samples: list[dict], rank: int, base: str, experts: bool = False) -> dict:
     """Hugging Face's model and loss, each target Linear's weight replaced by the merged W + s B A
     (torch.func.functional_call), with A and B leaves: the loss and the adapters' gradients by
     autograd through the merge, an independent computation of what LoRALinear does. base nf4: W is
-    torchao's NF4 round trip of the bf16 weight, where it splits into NF4's groups of 64 x 256 values."""
+    torchao's NF4 round trip of the bf16 weight, where it splits into NF4's groups of 64 x 256 values.
+    `experts`: each fused expert weight too, expert by expert (transposed where the model stores it
+    so), through Hugging Face's own per-expert loop: what ExpertLoRA computes on grouped GEMMs."""
     merged, adapters = {}, {}
     for name, module in model.named_modules():
+        if experts and isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
+            for weight_name in ("gate_up_proj", "down_proj"):
+                weight = getattr(module, weight_name).detach()  # [E, out, in], or [E, in, out] transposed
+                num, rows, columns = weight.shape
+                fan_in, fan_out = (rows, columns) if module.is_transposed else (columns, rows)
+                a = adapter_value(f"{name}.{weight_name}_lora.lora_A", (num, rank, fan_in)).requires_grad_()
+                b = adapter_value(f"{name}.{weight_name}_lora.lora_B", (num, fan_out, rank)).requires_grad_()
+                adapters[f"{name}.{weight_name}_lora.lora_A"], adapters[f"{name}.{weight_name}_lora.lora_B"] = a, b
+                delta = torch.stack([LORA_ALPHA / rank * b[e] @ a[e] for e in range(num)])
+                merged[f"{name}.{weight_name}"] = weight + (delta.transpose(1, 2) if module.is_transposed else delta)
         if type(module) is torch.nn.Linear and ".layers." in name:
             a = adapter_value(f"{name}.lora_A.weight", (rank, module.in_features)).requires_grad_()
             b = adapter_value(f"{name}.lora_B.weight", (module.out_features, rank)).requires_grad_()
@@ -177,7 +193,10 @@ def run(args: argparse.Namespace, env) -> dict:
     elif args.reference and args.lora_rank:
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
-        return lora_reference(model, samples, args.lora_rank, args.lora_base)
+        experts = "experts" in args.lora_targets.split(",")
+        if experts:
+            model.set_experts_implementation("eager")  # Hugging Face's per-expert loop
+        return lora_reference(model, samples, args.lora_rank, args.lora_base, experts)
     elif args.reference:
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
@@ -193,8 +212,9 @@ def run(args: argparse.Namespace, env) -> dict:
                      fsdp=FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                                      reshard_after_forward=not args.zero2, replicate_degree=args.replicate),
                      compile=CompileConfig(enabled=args.compile), precision=PrecisionConfig(float8=args.float8),
-                     cp=CPConfig(degree=args.cp), moe=MoEConfig(ep_degree=args.ep),
-                     lora=LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base))
+                     cp=CPConfig(degree=args.cp), moe=MoEConfig(ep_degree=args.ep, aux_loss_coef=args.aux_coef),
+                     lora=LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, base=args.lora_base,
+                                     target_modules=args.lora_targets.split(",")))
         dims = ParallelDims.of(cfg, env.world_size, env.rank).build(env.device.type)
         reset_peak_rss()
         rss_before = peak_rss_gib()

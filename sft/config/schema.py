@@ -221,8 +221,10 @@ class LoRAConfig:
     """Dropout on the adapter's input (PEFT's lora_dropout); the frozen path sees the input as is."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """The decoder blocks' Linear layers that get adapters, by the last part of their name (e.g.
-    [q_proj, v_proj]); all-linear: every one (mixture-of-experts experts are not Linear layers and
-    stay frozen)."""
+    [q_proj, v_proj]); all-linear: every one (shared experts and dense MLPs included). `experts`:
+    the routed experts of mixture-of-experts blocks too, one adapter per expert on each fused
+    weight (gate_up_proj, down_proj), exported as PEFT's target_parameters; e.g. [all-linear,
+    experts]. Without it the routed experts stay frozen."""
     modules_to_save: list[str] = field(default_factory=list)
     """Modules trained in full besides the adapters, by name (e.g. [embed_tokens, lm_head] for new
     tokens); saved in the checkpoints and the exported adapter."""

@@ -10,6 +10,10 @@ import torch.nn.functional as F
 
 from sft.distributed import local_part
 
+# The fused expert weights of transformers' experts interface, in the order its classes define them
+# (PEFT nests its adapters of them in this order: sft/models/peft_format.py).
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
 
 def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor, out_features: int) -> bool:
     """Whether the grouped GEMM kernel takes these operands: bf16 (float32 runs a slow fallback on
@@ -53,14 +57,19 @@ class GroupedExperts:
     def compute(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Each row through its expert: rows sorted by (this rank's) expert, `expert_ids` their
         experts, `ends[e]` the end row of expert e (int32)."""
+        gate_up = self._project("gate_up_proj", rows, expert_ids, ends)
+        return self._project("down_proj", self._apply_gate(gate_up), expert_ids, ends)
+
+    def _project(self, name: str, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Rows through fused expert weight `name`: its bias where the model has one, its LoRA
+        adapters where lora.target_modules names the experts (`<name>_lora`, sft/models/lora.py)."""
         # Under expert parallelism the gathered weights are DTensors over the ep ranks, sharded by
         # expert (sft/parallel/expert_parallel.py): their local part is this rank's experts.
-        gate_up = grouped_linear(rows, local_part(self.gate_up_proj), ends, self.is_transposed)
+        out = grouped_linear(rows, local_part(getattr(self, name)), ends, self.is_transposed)
         if self.has_bias:
-            gate_up = gate_up + local_part(self.gate_up_proj_bias)[expert_ids]
-        out = grouped_linear(self._apply_gate(gate_up), local_part(self.down_proj), ends, self.is_transposed)
-        if self.has_bias:
-            out = out + local_part(self.down_proj_bias)[expert_ids]
+            out = out + local_part(getattr(self, f"{name}_bias"))[expert_ids]
+        if (adapter := self._modules.get(f"{name}_lora")) is not None:
+            out = out + adapter(rows, ends)
         return out
 
 

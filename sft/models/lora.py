@@ -1,4 +1,5 @@
-"""LoRA: low-rank adapters on the frozen Linear layers of the decoder blocks (lora.rank > 0).
+"""LoRA: low-rank adapters on the frozen Linear layers of the decoder blocks (lora.rank > 0), and on
+the routed experts of mixture-of-experts blocks (`experts` in lora.target_modules).
 
 A target layer computes  W x + b + (alpha / r) * B A dropout(x)  with A [r, in] and B [out, r]
 trained and W, b frozen; A starts Kaiming-uniform and B at zero, as PEFT initialises them, so
@@ -12,6 +13,12 @@ training starts from the base model exactly. Everything else is frozen too, but 
 * Names: a `LoRALinear` takes the Linear's place and keeps its `weight` and `bias` under their own
   names (they load from the Hugging Face files as they are); the adapter is `lora_A` and `lora_B`,
   as in PEFT's files (sft/export.py writes PEFT's adapter format, or merges the adapter in).
+* Routed experts: each fused expert weight (experts.gate_up_proj, experts.down_proj: [E, out, in],
+  or [E, in, out] where the model stores them transposed) gets one adapter per expert, an
+  `ExpertLoRA` beside it (`experts.gate_up_proj_lora.lora_A` [E, r, in], `.lora_B` [E, out, r]),
+  run on the rows sorted by expert through grouped GEMMs as the weight is (sft/models/experts.py):
+  the low-rank path costs 2 r (in + out) a row, and no merged weight is ever formed. PEFT's format
+  for these (target_parameters) is written and read by sft/models/peft_format.py.
 * FSDP2 shards frozen and trainable parameters of a block in one unit; only the adapters' gradients
   are reduce-scattered. QLoRA's NF4 weights are the exception: every rank holds them whole
   (`nf4_parameters`).
@@ -33,6 +40,8 @@ from torch.utils.checkpoint import checkpoint
 from sft.config import LoRAConfig
 from sft.errors import UserError
 from sft.models.build import clean_name
+from sft.models.experts import EXPERT_WEIGHTS, grouped_linear
+from sft.models.moe import routed_experts
 
 
 class LoRAError(UserError):
@@ -73,6 +82,30 @@ class LoRALinear(nn.Module):
         return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
+class ExpertLoRA(nn.Module):
+    """Low-rank adapters of one fused expert weight, one per expert: expert e adds
+    (alpha / r) B[e] A[e] dropout(x) to each of its rows, A [E, r, in] and B [E, out, r] float32,
+    initialised as LoRALinear's (`initial_adapter`)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, rank: int, scaling: float,
+                 dropout: float, device: torch.device):
+        super().__init__()
+        factory = {"device": device, "dtype": torch.float32}
+        self.lora_A = nn.Parameter(torch.empty(num_experts, rank, in_features, **factory))
+        self.lora_B = nn.Parameter(torch.empty(num_experts, out_features, rank, **factory))
+        self.scaling = scaling
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+
+    def forward(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The adapters' output for `rows` sorted by expert (`ends[e]`: the end row of expert e)."""
+        down = grouped_linear(self.dropout(rows), self.lora_A, ends)
+        return grouped_linear(down, self.lora_B, ends) * self.scaling
+
+
+# lora.target_modules' name for the routed experts of the mixture-of-experts blocks on our path
+EXPERTS = "experts"
+
+
 # Bytes per frozen parameter of a 4-bit NormalFloat base (lora.base: nf4, torchao's NF4Tensor): 4 bits
 # a value, an int8 scale per block of 64 values, a float32 scale of those per 256 blocks.
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -80,12 +113,12 @@ NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 def initial_adapter(name: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
     """The initial value of adapter parameter `name` (float32): lora_A Kaiming-uniform as PEFT draws
-    it (nn.Linear's own init), seeded by the name so that it does not depend on the number of ranks;
-    lora_B zero."""
-    if ".lora_B." in name:
+    it (nn.Linear's own init; each expert's as its own Linear), seeded by the name so that it does
+    not depend on the number of ranks; lora_B zero."""
+    if ".lora_B" in name:
         return torch.zeros(shape, device=device)
     generator = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
-    bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) of nn.Linear: U(-1/sqrt(in), 1/sqrt(in))
+    bound = 1 / math.sqrt(shape[-1])  # kaiming_uniform_(a=sqrt(5)) of nn.Linear: U(-1/sqrt(in), 1/sqrt(in))
     return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
 
 
@@ -104,7 +137,7 @@ class LoRA:
 
     cfg: LoRAConfig
     layers: list[LoRALinear]
-    targets: list[str]  # the short names of the adapted layers (q_proj, ...), sorted
+    targets: list[str]  # the short names of the adapted layers (q_proj, ..., experts), sorted
     summary: str
 
     def nf4_parameters(self) -> set[nn.Parameter]:
@@ -128,17 +161,22 @@ def _targets(blocks: list[nn.Module], patterns: list[str]) -> dict[str, list[tup
 
 def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, frozen_dtype: torch.dtype) -> LoRA | None:
     """On the meta-device model: freeze everything, put a LoRALinear in the place of each target
-    Linear of `blocks`, unfreeze `modules_to_save`, store frozen parameters in `frozen_dtype` (and the
+    Linear of `blocks` and an ExpertLoRA beside each fused expert weight (target `experts`), unfreeze
+    `modules_to_save`, store frozen parameters in `frozen_dtype` (and the
     target layers' weights in 4-bit NF4 with lora.base: nf4); return the handle. Nothing changes
     when lora.rank is 0 (None)."""
     if not cfg.enabled:
         return None
-    targets = _targets(blocks, cfg.target_modules)
-    missing = [name for name in cfg.target_modules if name != "all-linear" and name not in targets]
-    if missing or not targets:
-        linears = sorted(_targets(blocks, ["all-linear"]))
+    linear = [name for name in cfg.target_modules if name != EXPERTS]
+    targets = _targets(blocks, linear) if linear else {}
+    experts = routed_experts(blocks) if EXPERTS in cfg.target_modules else []
+    missing = [name for name in linear if name != "all-linear" and name not in targets]
+    missing += [EXPERTS] if EXPERTS in cfg.target_modules and not experts else []
+    if missing or not (targets or experts):
+        names = sorted(_targets(blocks, ["all-linear"])) + ([EXPERTS] if routed_experts(blocks) else [])
         raise LoRAError(f"lora.target_modules={cfg.target_modules}: {', '.join(missing) or 'nothing'} names no Linear "
-                        f"layer of the decoder blocks; they have {', '.join(linears)} (or all-linear)")
+                        f"layer{' or routed experts' if EXPERTS in missing else ''} of the decoder blocks; they have "
+                        f"{', '.join(names)} (or all-linear)")
     saved = [name for name, _ in model.named_modules() if any(_names(name, save) for save in cfg.modules_to_save)]
     unknown = [save for save in cfg.modules_to_save if not any(_names(name, save) for name in saved)]
     if unknown:
@@ -150,6 +188,13 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
         for parent, attr, linear in layers:
             adapted.append(LoRALinear(linear, cfg.rank, cfg.scaling, cfg.dropout))
             setattr(parent, attr, adapted[-1])
+    for module in experts:
+        for name in EXPERT_WEIGHTS:
+            weight = getattr(module, name)  # [E, out, in], or [E, in, out] transposed
+            num_experts, rows, columns = weight.shape
+            in_features, out_features = (rows, columns) if module.is_transposed else (columns, rows)
+            module.add_module(f"{name}_lora", ExpertLoRA(num_experts, in_features, out_features, cfg.rank,
+                                                         cfg.scaling, cfg.dropout, weight.device))
     for name in saved:
         model.get_submodule(name).requires_grad_(True)
     with torch.no_grad():
@@ -164,10 +209,12 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
     if cfg.base == "nf4":
         in_full += "; base weights of the adapted layers in NF4" + (
             f" but {', '.join(unquantized)}, which do not split into NF4 groups of {NF4_GROUP} values"
-            if unquantized else "")
-    return LoRA(cfg, adapted, sorted(targets),
-                f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers "
-                f"({', '.join(sorted(targets))}){in_full}: {trained / 1e6:.2f}M of "
+            if unquantized else "") + ("; the routed experts' in bfloat16" if experts else "")
+    names = sorted([*targets, *([EXPERTS] if experts else [])])
+    on_experts = f" and the routed experts of {len(experts)} blocks" if experts else ""
+    return LoRA(cfg, adapted, names,
+                f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers{on_experts} "
+                f"({', '.join(names)}){in_full}: {trained / 1e6:.2f}M of "
                 f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters train")
 
 

@@ -103,6 +103,12 @@ def takes_our_path(block: nn.Module) -> bool:
     interface = getattr(experts, "has_gate", False) and not getattr(experts, "has_post_expert_norm", False)
     called = len(inspect.signature(type(experts).forward).parameters) == 4  # self, hidden, indices, weights
     return bool(interface and called and _router(block))
+def routed_experts(blocks: list[nn.Module]) -> list[nn.Module]:
+    """The experts modules of the sparse blocks in `blocks` that take our path (their fused weights
+    are what LoRA's `experts` target adapts)."""
+    return [module.experts for block in blocks for _, module in _sparse_modules(block) if takes_our_path(module)]
+
+
 class _TopKOfItsOwn(TorchFunctionMode):
     """torch.topk's outputs as copies. Activation checkpointing keeps topk's outputs (MoE.kept_ops: the
     routing is never recomputed), and a kept tensor must not change afterwards; transformers' routers

@@ -1,11 +1,20 @@
 """PEFT's LoRA adapter format, as sft.export writes it and sft.chat reads it: adapter_config.json
 and adapter_model.safetensors with tensors named `base_model.model.<module>.lora_A.weight` /
 `lora_B.weight` (and modules trained in full by their own names), merged as W + (lora_alpha / r) B A.
+
+Adapters of routed experts are PEFT's `target_parameters` (its ParamWrapper, peft >= 0.17): one
+wrapper per fused weight of the experts module, nested in the order the module defines its weights
+(the innermost first, `experts.base_layer.lora_A.weight` for gate_up_proj, `experts.lora_A.weight`
+for down_proj); lora_A [E r, in] holds expert e's A in rows e r ... (e + 1) r - 1, and lora_B
+[out, r E] expert e's B in columns e, E + e, ... (rank-major). Ours are [E, r, in] and [E, out, r]
+(sft/models/lora.py: ExpertLoRA). PEFT's wrapper has no dropout: the exported config says 0, as
+inference (inference_mode) does anyway.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -14,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
+from sft.models.experts import EXPERT_WEIGHTS
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -21,7 +31,11 @@ PREFIX = "base_model.model."
 
 
 def is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    return ".lora_A" in name or ".lora_B" in name
+
+
+# An expert adapter's parameter, by model name: (experts module).(fused weight)_lora.lora_(A|B)
+_EXPERT_ADAPTER = re.compile(r"(.+)\.(\w+)_lora\.lora_([AB])")
 
 
 def adapter_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -29,30 +43,74 @@ def adapter_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) ->
     return (scaling * lora_b.float()) @ lora_a.float()
 
 
-def merged(name: str, weight: torch.Tensor, trained: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
-    """Parameter `name` of the base (`weight`) with the adapter merged in, from `trained` (the
-    adapters and the modules trained in full, by model name): a module trained in full as trained,
-    an adapted weight W + scaling B A in float32, anything else as it is."""
+def merged(name: str, weight: torch.Tensor, trained: dict[str, torch.Tensor], scaling: float,
+           model: torch.nn.Module) -> torch.Tensor:
+    """Parameter `name` of the base (`weight`) of `model` with the adapter merged in, from `trained`
+    (the adapters and the modules trained in full, by model name): a module trained in full as
+    trained, an adapted weight W + scaling B A in float32 (a fused expert weight: each expert's,
+    transposed where the model stores it so), anything else as it is."""
     if name in trained:
         return trained[name]
     stem = name.removesuffix(".weight")
     if f"{stem}.lora_A.weight" in trained:
         delta = adapter_delta(trained[f"{stem}.lora_A.weight"], trained[f"{stem}.lora_B.weight"], scaling)
         return weight.float() + delta
+    if f"{name}_lora.lora_A" in trained:
+        delta = adapter_delta(trained[f"{name}_lora.lora_A"], trained[f"{name}_lora.lora_B"], scaling)  # [E, out, in]
+        transposed = model.get_submodule(name.rpartition(".")[0]).is_transposed
+        return weight.float() + (delta.transpose(-2, -1) if transposed else delta)
     return weight
+
+
+def _to_peft(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """An adapter tensor by PEFT's name and in its layout (see the module's docstring)."""
+    if not (match := _EXPERT_ADAPTER.fullmatch(name)):
+        return name, tensor
+    module, weight, factor = match.groups()
+    nesting = ".base_layer" * (len(EXPERT_WEIGHTS) - 1 - EXPERT_WEIGHTS.index(weight))
+    if factor == "A":  # [E, r, in] -> [E r, in]
+        return f"{module}{nesting}.lora_A.weight", tensor.reshape(-1, tensor.shape[-1])
+    return f"{module}{nesting}.lora_B.weight", tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)  # -> [out, r E]
+
+
+def _from_peft(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors (by model name, PEFT's nesting) by our names, in our layout."""
+    targets = config.get("target_parameters") or []
+    ours = {}
+    for name, tensor in tensors.items():
+        module, factor = name.removesuffix(".weight").rsplit(".lora_", 1) if is_adapter(name) else (name, "")
+        depth = module.count(".base_layer")
+        module = module.replace(".base_layer", "")
+        adapted = [w for w in EXPERT_WEIGHTS if any(f".{module}.{w}".endswith(f".{t}") for t in targets)]
+        if not adapted:
+            ours[name] = tensor
+            continue
+        weight, rank = adapted[len(adapted) - 1 - depth], config["r"]
+        if factor == "A":  # [E r, in] -> [E, r, in]
+            ours[f"{module}.{weight}_lora.lora_A"] = tensor.reshape(-1, rank, tensor.shape[-1])
+        else:  # [out, r E] -> [E, out, r]
+            ours[f"{module}.{weight}_lora.lora_B"] = tensor.reshape(tensor.shape[0], rank, -1).permute(2, 0, 1)
+    return ours
 
 
 def write_adapter(out: Path, trained: dict[str, torch.Tensor], lora: LoRAConfig, base: str, tied: bool) -> None:
     """Write `trained` (by model name) as PEFT's adapter of `base` into the directory `out`. `tied`: a
     trained embedding is the lm_head too (`trained` holds both), which PEFT keeps tied when told so
     (ensure_weight_tying) and reads from both names."""
-    save_file({PREFIX + name: tensor.contiguous() for name, tensor in trained.items()}, out / WEIGHTS_FILE,
-              metadata={"format": "pt"})
+    save_file({PREFIX + peft_name: peft_tensor.contiguous()
+               for peft_name, peft_tensor in (_to_peft(name, tensor) for name, tensor in trained.items())},
+              out / WEIGHTS_FILE, metadata={"format": "pt"})
+    adapters = [name for name in trained if is_adapter(name)]
+    experts = sorted({match.group(2) for name in adapters if (match := _EXPERT_ADAPTER.fullmatch(name))},
+                     key=EXPERT_WEIGHTS.index)
+    linear = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in adapters
+                     if not _EXPERT_ADAPTER.fullmatch(name)})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-        "target_modules": sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in trained if is_adapter(name)}),
+        "lora_dropout": 0.0 if experts else lora.dropout, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "target_modules": linear or None,
+        "target_parameters": [f"experts.{weight}" for weight in experts] or None,
         "modules_to_save": lora.modules_to_save or None,
         "ensure_weight_tying": tied,
         "base_model_name_or_path": base,
@@ -61,8 +119,8 @@ def write_adapter(out: Path, trained: dict[str, torch.Tensor], lora: LoRAConfig,
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor], float]:
-    """A PEFT LoRA adapter: (adapter_config.json, its tensors by model name, its scaling); a damaged
-    file is one UserError."""
+    """A PEFT LoRA adapter: (adapter_config.json, its tensors by model name, in our layout, its
+    scaling); a damaged file is one UserError."""
     try:
         config = json.loads((adapter_dir / CONFIG_FILE).read_text())
         tensors = load_file(adapter_dir / WEIGHTS_FILE)
@@ -70,4 +128,4 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor], floa
         raise UserError(f"{adapter_dir}: the adapter cannot be read ({' '.join(str(e).split())}): export it again "
                         "(python -m sft.export CHECKPOINT NEW_DIR)") from None
     scaling = LoRAConfig(rank=config["r"], alpha=config["lora_alpha"]).scaling
-    return config, {name.removeprefix(PREFIX): tensor for name, tensor in tensors.items()}, scaling
+    return config, _from_peft({name.removeprefix(PREFIX): tensor for name, tensor in tensors.items()}, config), scaling

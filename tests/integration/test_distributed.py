@@ -166,6 +166,8 @@ def runs(tmp_path_factory, models):
         launches[nproc][name] = [*model[moe], *(flag.replace("{out}", str(out)) for flag in flags)]
     for name, nproc, flags, *_ in LORA_RUNS + QLORA_RUNS + FLOAT8_LORA_RUNS:
         launches[nproc][name] = [*model["untied"], *flags]
+    for name, moe, nproc, flags in EXPERT_LORA_RUNS:
+        launches[nproc][name] = [*model[moe], *flags]
     for name, ac_flags, flags in AC_EQUAL_TO_NONE:
         launches[2][baseline(flags)] = [*model["untied"], *flags]
         launches[2][name] = [*model["untied"], *flags, *ac_flags]
@@ -311,6 +313,39 @@ LORA_RUNS = [
     ("lora cp 2, packed rows", 2, ["--lora-rank", "4", "--cp", "2", "--grad-accum", "4", "--packed"], 1e-5),
     ("lora HSDP, 2 replicas", 2, ["--lora-rank", "4", "--grad-accum", "2", "--replicate", "2"], 1e-5),
 ]
+
+
+# LoRA on the routed experts too (their fused weights, one adapter per expert, on grouped GEMMs), against
+# the reference merging each expert's weight and running Hugging Face's per-expert loop: (name, model,
+# ranks, flags). The load-balancing loss off: Hugging Face's loss is the cross-entropy alone.
+EXPERT_LORA = ["--lora-rank", "4", "--lora-targets", "all-linear,experts", "--aux-coef", "0"]
+EXPERT_LORA_RUNS = [
+    ("expert lora reference", "moe", 1, ["--reference", *EXPERT_LORA]),
+    ("expert lora 2 ranks, grad-acc 2", "moe", 2, [*EXPERT_LORA, "--grad-accum", "2"]),
+    ("expert lora 2 ranks, packed, ops_half", "moe", 2,
+     [*EXPERT_LORA, "--grad-accum", "2", "--packed", "--ac-ratio", "1", "--ac-mode", "ops_half"]),
+    ("expert lora, 1 expert reference", "moe, 1 expert", 1, ["--reference", *EXPERT_LORA]),
+    ("expert lora, 1 expert, 2 ranks", "moe, 1 expert", 2, [*EXPERT_LORA, "--grad-accum", "2"]),
+    ("gpt-oss expert lora reference", "gpt-oss", 1, ["--reference", *EXPERT_LORA, "--attn", "eager"]),
+    ("gpt-oss expert lora 2 ranks", "gpt-oss", 2, [*EXPERT_LORA, "--grad-accum", "2", "--attn", "eager"]),
+]
+EXPERT_LORA_EQUIVALENT = [("expert lora reference", "expert lora 2 ranks, grad-acc 2"),
+                          ("expert lora reference", "expert lora 2 ranks, packed, ops_half"),
+                          ("expert lora, 1 expert reference", "expert lora, 1 expert, 2 ranks"),
+                          ("gpt-oss expert lora reference", "gpt-oss expert lora 2 ranks")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference, name", EXPERT_LORA_EQUIVALENT, ids=[row[1] for row in EXPERT_LORA_EQUIVALENT])
+def test_lora_on_routed_experts_equals_the_merged_weight_reference(runs, reference, name):
+    """Adapters on every Linear and on each expert of the fused expert weights (gpt-oss: transposed,
+    biased; one expert: sharded on its rows): loss and every adapter's gradient those of the merged
+    weights through Hugging Face's per-expert loop; only adapters train."""
+    ref, run = runs(reference), runs(name)
+    assert run["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert {n for n in ref["grads"] if "_lora." in n} and run["grads"].keys() == ref["grads"].keys()
+    assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-6)  # atol: MOE_EQUIVALENT's
+    assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
 
 
 QLORA = ["--lora-rank", "4", "--lora-base", "nf4"]

@@ -201,3 +201,50 @@ def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous,
         assert status == 0, err
     assert json.loads((elsewhere / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(other)
     assert (elsewhere / "merged" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, demo_data, capsys):
+    """The MoE demo's base (8 experts a block) with adapters on the attention and on every expert
+    (lora.target_modules: [q_proj, v_proj, experts]), 2 ranks: the checkpoint holds the adapters
+    alone and resumes bit for bit; the exported adapter loads with PEFT (target_parameters) onto
+    the base and gives the merged export's logits; the eval loss falls."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from sft.export import main as export
+
+    subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo_moe/model", str(tmp_path / "base"),
+                    "--dtype", "float32", "--device", "cpu"], cwd=REPO, check=True, capture_output=True)
+    experts = ["model.tokenizer=configs/demo/model", "lora.target_modules=[q_proj, v_proj, experts]",
+               "lora.modules_to_save=[]", "moe.aux_loss_coef=0.1"]
+    proc = lora(demo_data, tmp_path, "whole", *experts, "eval.every_steps=3")
+    assert "applied LoRA (rank 16, alpha 32) to 8 layers and the routed experts of 4 blocks (experts, q_proj, " \
+           "v_proj)" in proc.stdout
+    step4 = tmp_path / "whole" / "checkpoints" / "step-4"
+    saved = {key for key in dcp.FileSystemReader(str(step4)).read_metadata().state_dict_metadata if key.startswith("model.")}
+    assert saved == {f"model.model.layers.{i}.{name}.lora_{ab}" + (".weight" if "self_attn" in name else "")
+                     for i in range(4) for ab in "AB"
+                     for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.experts.gate_up_proj_lora",
+                                  "mlp.experts.down_proj_lora")}
+    target = tmp_path / "resumed" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(step4, target / "step-4")
+    lora(demo_data, tmp_path, "resumed", *experts)
+    reference = train_losses(tmp_path / "whole")
+    assert train_losses(tmp_path / "resumed") == {5: reference[5], 6: reference[6]}
+    assert eval_losses(tmp_path / "whole")[-1] < eval_losses(tmp_path / "whole")[0]
+
+    adapter, merged = tmp_path / "whole" / "export", tmp_path / "merged"
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == [
+        "experts.gate_up_proj", "experts.down_proj"]
+    status, _, err = run_cli(export, [str(tmp_path / "whole" / "checkpoints" / "step-6"), str(merged), "--merge",
+                                      "--dtype", "float32"], capsys)
+    assert status == 0, err
+    ids = torch.randint(3, 800, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = AutoPeftModelForCausalLM.from_pretrained(adapter)(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 0.1

@@ -49,3 +49,74 @@ def test_only_the_adapters_and_the_modules_to_save_train_and_the_names_stay():
     assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
     assert sum(isinstance(m, LoRALinear) for m in model.modules()) == 8
+
+
+# Routed experts in both layouts: [E, out, in] (Qwen3-MoE, DeepSeek-V3 with shared experts and dense first
+# layers) and transposed [E, in, out] with biases (gpt-oss)
+EXPERT_FAMILIES = {"qwen3_moe": {}, "deepseek_v3": {"head_dim": 8, "num_key_value_heads": 4}, "gpt_oss": {}}
+
+
+@pytest.mark.parametrize("model_type", EXPERT_FAMILIES)
+def test_expert_adapters_in_peft_format_load_with_peft_as_the_merged_model(tmp_path, model_type):
+    """Adapters on o_proj and the routed experts, written as PEFT's adapter (target_parameters): PEFT
+    loads them onto the saved base and computes the logits of the base with each expert's W + s B A
+    merged in (sft.export --merge, sft.chat); read back, they are the tensors written."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import saved_model_dir
+    from sft.config import LoRAConfig
+    from sft.models.build import decoder_blocks
+    from sft.models.lora import apply_lora
+    from sft.models.peft_format import merged, read_adapter, write_adapter
+
+    base_dir = saved_model_dir(tmp_path, model_type, **EXPERT_FAMILIES[model_type])
+    shapes = AutoModelForCausalLM.from_pretrained(base_dir)  # the model names and shapes LoRA adapts
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=["o_proj", "experts"], dropout=0.1)
+    apply_lora(shapes, decoder_blocks(shapes), lora, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    trained = {name: torch.randn(p.shape, generator=generator) * 0.1
+               for name, p in shapes.named_parameters() if p.requires_grad}
+    assert any(name.endswith("experts.gate_up_proj_lora.lora_A") for name in trained)
+
+    out = tmp_path / "adapter"
+    out.mkdir()
+    write_adapter(out, trained, lora, str(base_dir), tied=False)
+    config, read, scaling = read_adapter(out)
+    assert (config["target_parameters"], config["lora_dropout"]) == (["experts.gate_up_proj", "experts.down_proj"], 0.0)
+    assert read.keys() == trained.keys() and all(torch.equal(read[n], trained[n]) for n in trained)
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(merged(name, param, trained, scaling, model))
+    ids = torch.randint(3, 800, (2, 12), generator=generator)
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out)(input_ids=ids).logits
+        merged_logits = model(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base_dir)(input_ids=ids).logits
+    torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-4, atol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 0.05  # the adapters count
+
+
+def test_experts_name_routed_experts_only_where_there_are_some():
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import LoRAConfig
+    from sft.models.build import decoder_blocks
+    from sft.models.lora import LoRAError, apply_lora
+
+    with torch.device("meta"):
+        dense = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
+    with pytest.raises(LoRAError, match=r"^lora.target_modules=\['experts'\]: experts names no Linear layer or routed "
+                                        "experts of the decoder blocks; they have down_proj, gate_proj"):
+        apply_lora(dense, decoder_blocks(dense), LoRAConfig(rank=4, target_modules=["experts"]), torch.float32)
+    with torch.device("meta"):
+        moe = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    lora = apply_lora(moe, decoder_blocks(moe), LoRAConfig(rank=4, target_modules=["experts"]), torch.float32)
+    assert lora.targets == ["experts"] and lora.layers == []
+    assert sorted({n.split("experts.")[1] for n, p in moe.named_parameters() if p.requires_grad}) == [
+        "down_proj_lora.lora_A", "down_proj_lora.lora_B", "gate_up_proj_lora.lora_A", "gate_up_proj_lora.lora_B"]
+    assert moe.model.layers[0].mlp.experts.gate_up_proj_lora.lora_A.shape == (8, 4, 64)  # [E, r, in]
+    assert moe.model.layers[0].mlp.experts.down_proj_lora.lora_B.shape == (8, 64, 4)  # [E, out, r]
