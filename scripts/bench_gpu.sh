@@ -55,9 +55,10 @@
 #   leannumerics  issue #36: the float8numerics model and data, fp32 AdamW vs bf16 moments vs bf16 moments +
 #             bf16 master weights (LEANRUNS="state:master ...", LEANSEED, LEANSTEPS), one GPU per run (PER_GPU=2); plot in
 #             docs/lean_state_numerics.png
-#   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init) and gpt-oss-20b on P-7B
+#   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init; MB rows a GPU and step,
+#             default 2) and gpt-oss-20b on P-7B
 #             rows with plan.auto (expert parallelism and lean state allowed: its choice), next to the planner's
-#             prediction; TRACE=1 profiles the 30B run at steps 7-8
+#             prediction; TRACE=1 profiles the 30B run at steps 7-8; PEER_BS="4": then the peer on the whole 30B
 #   config30b issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's step (grad-acc 8, flex attention) under the layout
 #             the planner names for 2 x 141 GiB, and under plan.auto's choice on this card
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
@@ -155,12 +156,14 @@ print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [r
 }
 
 peer_moe() {  # peer_moe MODEL_DIR ROWS_PER_GPU AC...: scripts/trl_moe_bench.py (TRL + transformers 5) on the same shapes
-  local moe=$1 bs=$2; shift 2
-  [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"
+  # (PEER_RANDOM=1: each rank builds the model from MODEL_DIR's config with random weights, no checkpoint on disk)
+  local moe=$1 bs=$2 model; shift 2
+  if [ -n "${PEER_RANDOM:-}" ]; then model=("$moe" --random)
+  else [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"; model=("$moe-hf"); fi
   for ac in "$@"; do
     local log="$LOGS/trl-moe30b-bs$bs-ac-$ac.log"
     timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" scripts/trl_moe_bench.py train \
-      --model "$moe-hf" --ac "$ac" --bs "$bs" --steps "$STEPS" >"$log" 2>&1
+      --model "${model[@]}" --ac "$ac" --bs "$bs" --steps "$STEPS" >"$log" 2>&1
     echo "trl-moe30b-bs$bs-ac-$ac: exit $?"
     if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/moe30b.md
     else grep -iE "error|out of memory" "$log" | tail -3; fi
@@ -411,10 +414,12 @@ RUNS
     whole30b)  # issue #36, for 2 x H200: the whole Qwen3-30B-A3B (random init), expert parallel, lean state, plan.auto
       p7b_data
       ac_runs whole30b <<RUNS
-whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b plan.auto=true plan.allow_lean_state=true ${TRACE:+logging.profile_steps=[7,8]}
+whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b plan.auto=true plan.allow_lean_state=true train.micro_batch_size=${MB:-2} ${TRACE:+logging.profile_steps=[7,8]}
 whole-gptoss20b configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention plan.auto=true plan.allow_lean_state=true
 RUNS
-      moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b ;;
+      moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b
+      # the peer on the whole 30B (4 GPUs: it does not fit 2) at PEER_BS rows, full AC, built on each rank
+      for bs in ${PEER_BS:-}; do PEER_RANDOM=1 peer_moe configs/models/qwen3-30b-a3b "$bs" full; done ;;
     config30b)  # issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's shape of step (grad-acc 8, flex attention) on
       # P-7B rows, random init: the layout `python -m sft.plan --config configs/qwen3_30b_a3b.yaml --gpus 2
       # --gpu-mem 141` names, then plan.auto's choice on this card (STEPS=5 WARMUP=2: a step is 16 rows a GPU)

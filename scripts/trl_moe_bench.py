@@ -77,9 +77,9 @@ def train(args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        config.output_router_logits = True
+        config.output_router_logits = init.pop("output_router_logits")
         with torch.device("cuda" if gpu else "cpu"):
-            model = AutoModelForCausalLM.from_config(config, **{k: v for k, v in init.items() if k != "output_router_logits"})
+            model = AutoModelForCausalLM.from_config(config, **init)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

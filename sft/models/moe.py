@@ -244,10 +244,9 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         if cfg.bias_update_rate:
             raise MoEError(f"moe.bias_update_rate={cfg.bias_update_rate}: {type(sparse[0][1]).__name__} blocks take "
                            "the general path, whose routing is transformers' alone; set it to 0")
-        return MoE([], coef, active_parameters(model), cfg.bias_update_rate, general=type(sparse[0][1]).__name__)
+        return MoE([], coef, cfg.bias_update_rate, general=type(sparse[0][1]).__name__)
     if num_experts % cfg.ep_degree:
         raise MoEError(f"moe.ep_degree={cfg.ep_degree}: must divide the {num_experts} experts of each MoE block")
-    active = active_parameters(model)
     blocks = []
     for _, block in sparse:
         router_name = _router(block)
@@ -263,22 +262,29 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
     # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    moe = MoE(blocks, coef, active, cfg.bias_update_rate)
+    moe = MoE(blocks, coef, cfg.bias_update_rate)
     if cfg.bias_update_rate and not moe.biased:
         raise MoEError(f"moe.bias_update_rate={cfg.bias_update_rate}: {type(model).__name__}'s routers have no "
                        "correction bias (e_score_correction_bias) to move; set it to 0")
     return moe
 
 
-def active_parameters(model: nn.Module) -> int:
-    """Parameters one token's forward uses: all, less the experts it is not routed to (= all for a
-    dense model). The MFU numerator counts these (6 x active parameters per token)."""
-    total = sum(p.numel() for p in model.parameters())
+def parameters_per_token(model: nn.Module) -> tuple[int, int]:
+    """(trained, frozen) parameters one token's forward runs through: all, but of each block's routed
+    experts (their weights, gpt-oss's biases, LoRA's adapters) only the k of E it is routed to. The
+    MFU numerator counts these (sft/training/metrics.py: flops_per_token)."""
     config = model.config.get_text_config()
-    for _, module in _sparse_modules(model):
-        experts = sum(p.numel() for p in module.experts.parameters())  # weights (and gpt-oss's biases)
-        total -= experts * (1 - config.num_experts_per_tok / module.experts.gate_up_proj.shape[0])
-    return int(total)
+    routed = {id(p): config.num_experts_per_tok / module.experts.gate_up_proj.shape[0]
+              for _, module in _sparse_modules(model) for p in module.experts.parameters()}
+    counts = [0.0, 0.0]
+    for p in model.parameters():
+        counts[not p.requires_grad] += p.numel() * routed.get(id(p), 1.0)
+    return int(counts[0]), int(counts[1])
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters one token's forward uses (= all for a dense model)."""
+    return sum(parameters_per_token(model))
 
 
 def _correction_bias(block: nn.Module) -> torch.Tensor | None:
@@ -304,9 +310,8 @@ class MoE:
     # block's whole MoE activations; measured, the whole Qwen3-30B-A3B ran out of memory.)
     kept_ops = frozenset((torch.ops.aten.topk.default,))
 
-    def __init__(self, blocks: list[nn.Module], coef: float, active_parameters: int, bias_update_rate: float = 0.0,
-                 general: str | None = None):
-        self.blocks, self.coef, self.active_parameters, self.general = blocks, coef, active_parameters, general
+    def __init__(self, blocks: list[nn.Module], coef: float, bias_update_rate: float = 0.0, general: str | None = None):
+        self.blocks, self.coef, self.general = blocks, coef, general
         # Blocks whose routers choose by a correction bias (looked up when used: materialising the
         # model gives the buffers new storage).
         self.biased = [block for block in blocks if _correction_bias(block) is not None]

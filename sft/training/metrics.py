@@ -18,6 +18,7 @@ import torch
 from sft import atomic
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
+from sft.models.moe import parameters_per_token
 from sft.parallel.mesh import ParallelDims
 
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, the MFU denominator, by the first entry whose
@@ -123,12 +124,7 @@ class StepMetrics:
         text = model.config.get_text_config()
         # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
-        total = sum(p.numel() for p in model.parameters())
-        active = moe.active_parameters if moe else total
-        experts_train = any(p.requires_grad for name, p in model.named_parameters() if ".experts." in name)
-        self.trained = sum(p.numel() for p in model.parameters() if p.requires_grad) - (
-            total - active if experts_train else 0)
-        self.frozen = active - self.trained
+        self.trained, self.frozen = parameters_per_token(model)
         self.moe = moe if moe and moe.blocks else None  # the general path keeps no statistics of ours
         self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen

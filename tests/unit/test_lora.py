@@ -120,3 +120,10 @@ def test_experts_name_routed_experts_only_where_there_are_some():
         "down_proj_lora.lora_A", "down_proj_lora.lora_B", "gate_up_proj_lora.lora_A", "gate_up_proj_lora.lora_B"]
     assert moe.model.layers[0].mlp.experts.gate_up_proj_lora.lora_A.shape == (8, 4, 64)  # [E, r, in]
     assert moe.model.layers[0].mlp.experts.down_proj_lora.lora_B.shape == (8, 64, 4)  # [E, out, r]
+    # MFU's count: a token runs through 2 of each block's 8 experts, their adapters as their weights
+    from sft.models.moe import parameters_per_token
+
+    adapters = sum(p.numel() for p in moe.parameters() if p.requires_grad)
+    base = sum(p.numel() for p in moe.parameters() if not p.requires_grad)
+    experts = sum(p.numel() for layer in moe.model.layers for p in layer.mlp.experts.parameters() if not p.requires_grad)
+    assert parameters_per_token(moe) == (adapters // 4, base - experts * 3 // 4)
