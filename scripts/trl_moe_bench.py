@@ -78,7 +78,7 @@ def train(args: argparse.Namespace) -> None:
 
         torch.manual_seed(0)
         config.output_router_logits = init.pop("output_router_logits")
-        with torch.device("cuda" if gpu else "cpu"):
+        with torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if gpu else "cpu"):  # each rank on its GPU
             model = AutoModelForCausalLM.from_config(config, **init)
     peft_config = None
     if args.lora:
