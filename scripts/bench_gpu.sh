@@ -418,8 +418,9 @@ whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b 
 whole-gptoss20b configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention plan.auto=true plan.allow_lean_state=true
 RUNS
       moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b
-      # the peer on the whole 30B (4 GPUs: it does not fit 2) at PEER_BS rows, full AC, built on each rank
-      for bs in ${PEER_BS:-}; do PEER_RANDOM=1 peer_moe configs/models/qwen3-30b-a3b "$bs" full; done ;;
+      # the peer on the whole 30B (4 GPUs: it does not fit 2) at PEER_BS rows, full AC, from a checkpoint it writes
+      # (61 GB; accelerate's FSDP2 preparation of a model built on each GPU needs twice its bytes there)
+      for bs in ${PEER_BS:-}; do peer_moe configs/models/qwen3-30b-a3b "$bs" full; done ;;
     config30b)  # issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's shape of step (grad-acc 8, flex attention) on
       # P-7B rows, random init: the layout `python -m sft.plan --config configs/qwen3_30b_a3b.yaml --gpus 2
       # --gpu-mem 141` names, then plan.auto's choice on this card (STEPS=5 WARMUP=2: a step is 16 rows a GPU)
