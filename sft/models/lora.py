@@ -209,7 +209,7 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
     if cfg.base == "nf4":
         in_full += "; base weights of the adapted layers in NF4" + (
             f" but {', '.join(unquantized)}, which do not split into NF4 groups of {NF4_GROUP} values"
-            if unquantized else "") + ("; the routed experts' in bfloat16" if experts else "")
+            if unquantized else "") + ("; the routed experts' weights stay bfloat16" if experts else "")
     names = sorted([*targets, *([EXPERTS] if experts else [])])
     on_experts = f" and the routed experts of {len(experts)} blocks" if experts else ""
     return LoRA(cfg, adapted, names,
