@@ -156,10 +156,12 @@ print(sys.argv[1], 'aux', round(e['aux_loss'], 4), 'load max/mean per layer', [r
 }
 
 peer_moe() {  # peer_moe MODEL_DIR ROWS_PER_GPU AC...: scripts/trl_moe_bench.py (TRL + transformers 5) on the same shapes
-  # (PEER_RANDOM=1: each rank builds the model from MODEL_DIR's config with random weights, no checkpoint on disk)
-  local moe=$1 bs=$2 model; shift 2
+  # from a random checkpoint it writes to /tmp (PEER_RANDOM=1, one GPU only: the model built from MODEL_DIR's
+  # config on the GPU, no checkpoint; on several, accelerate's FSDP2 preparation needs twice the model there)
+  local moe=$1 bs=$2 model hf; shift 2
+  hf=/tmp/$(basename "$moe")-hf
   if [ -n "${PEER_RANDOM:-}" ]; then model=("$moe" --random)
-  else [ -d "$moe-hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$moe-hf"; model=("$moe-hf"); fi
+  else [ -d "$hf" ] || python3 scripts/trl_moe_bench.py make-model "$moe" "$hf"; model=("$hf"); fi
   for ac in "$@"; do
     local log="$LOGS/trl-moe30b-bs$bs-ac-$ac.log"
     timeout "${RUN_TIMEOUT:-300}" torchrun --standalone --nproc_per_node "$NGPU" scripts/trl_moe_bench.py train \

@@ -8,8 +8,8 @@ grouped_mm experts and its own load-balancing loss), on the same shapes and data
 --lora R: peft's LoRA of rank R (alpha 2R, no dropout) on the attention projections and on each routed
 expert (target_parameters experts.gate_up_proj / experts.down_proj, peft >= 0.17), the base frozen in bf16:
 the adapters `sft` trains with lora.target_modules=[all-linear, experts] on Qwen3-MoE, parameter for
-parameter (peft's "all-linear" would also adapt the router and give gate_up_proj rank 2R). One GPU runs
-without FSDP. --random builds the model from CONFIG_DIR's config.json with random bf16
+parameter (peft 0.21.2's "all-linear" also adapts the router and gives gate_up_proj rank 2R, as measured).
+One GPU runs without FSDP. --random builds the model from CONFIG_DIR's config.json with random bf16
 weights on the GPU (no checkpoint on disk: the whole 30B's 61 GB would not fit a one-GPU machine's disk).
 
 Workload: every sample SEQ random token ids, loss on the second half, BS samples per GPU, grad-acc 1,

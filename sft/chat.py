@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft.config import is_local_path
 from sft.errors import UserError, run_command
-from sft.models.peft_format import CONFIG_FILE, merged, read_adapter
+from sft.models.peft_format import CONFIG_FILE, merged, read_adapter, unmatched
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"{adapter}: its base_model_name_or_path {base!r} cannot be loaded "
                             f"({' '.join(str(e).split())[:200]}); put the base model there, or write its new place "
                             "into base_model_name_or_path") from None
+        if unknown := unmatched(trained, model):
+            raise UserError(f"{adapter}: {len(unknown)} of its tensors match no parameter of {base} (e.g. "
+                            f"{unknown[0]}): it was trained on another model; give that model as "
+                            "base_model_name_or_path")
         with torch.no_grad():
             for name, param in model.named_parameters(remove_duplicate=False):  # a tied lm_head by its name too
                 param.copy_(merged(name, param, trained, scaling, model))

@@ -29,7 +29,7 @@ from sft.distributed import all_reduce_sum, init_distributed, local_part
 from sft.training.loss import forward_backward, loss_inputs
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
-from sft.models.lora import is_nf4
+from sft.models.nf4 import is_nf4
 from sft.models.peft_format import is_adapter
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
@@ -120,18 +120,30 @@ def set_adapters(model: torch.nn.Module) -> None:
                     param.copy_(full_value)
 
 
+def nf4_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's NF4 round trip of the bf16 weight (of its rows, for a fused expert weight), where it
+    splits into NF4's groups of 64 x 256 values; else the weight."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    if weight.numel() % (64 * 256):
+        return weight
+    rows = weight.to(torch.bfloat16).reshape(-1, weight.shape[-1])
+    return to_nf4(rows).get_original_weight().view(weight.shape).to(weight.dtype)
+
+
 def lora_reference(model, samples: list[dict], rank: int, base: str, experts: bool = False) -> dict:
     """Hugging Face's model and loss, each target Linear's weight replaced by the merged W + s B A
     (torch.func.functional_call), with A and B leaves: the loss and the adapters' gradients by
     autograd through the merge, an independent computation of what LoRALinear does. base nf4: W is
-    torchao's NF4 round trip of the bf16 weight, where it splits into NF4's groups of 64 x 256 values.
+    the NF4 round trip of the bf16 weight (nf4_round_trip).
     `experts`: each fused expert weight too, expert by expert (transposed where the model stores it
     so), through Hugging Face's own per-expert loop: what ExpertLoRA computes on grouped GEMMs."""
     merged, adapters = {}, {}
     for name, module in model.named_modules():
         if experts and isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
             for weight_name in ("gate_up_proj", "down_proj"):
-                weight = getattr(module, weight_name).detach()  # [E, out, in], or [E, in, out] transposed
+                weight = nf4_round_trip(getattr(module, weight_name).detach()) if base == "nf4" \
+                    else getattr(module, weight_name).detach()  # [E, out, in], or [E, in, out] transposed
                 num, rows, columns = weight.shape
                 fan_in, fan_out = (rows, columns) if module.is_transposed else (columns, rows)
                 a = adapter_value(f"{name}.{weight_name}_lora.lora_A", (num, rank, fan_in)).requires_grad_()
@@ -143,11 +155,7 @@ def lora_reference(model, samples: list[dict], rank: int, base: str, experts: bo
             a = adapter_value(f"{name}.lora_A.weight", (rank, module.in_features)).requires_grad_()
             b = adapter_value(f"{name}.lora_B.weight", (module.out_features, rank)).requires_grad_()
             adapters[f"{name}.lora_A.weight"], adapters[f"{name}.lora_B.weight"] = a, b
-            weight = module.weight.detach()
-            if base == "nf4" and weight.numel() % (64 * 256) == 0:
-                from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-                weight = to_nf4(weight.to(torch.bfloat16)).get_original_weight().to(weight.dtype)
+            weight = nf4_round_trip(module.weight.detach()) if base == "nf4" else module.weight.detach()
             merged[f"{name}.weight"] = weight + LORA_ALPHA / rank * b @ a
     batch = collate(samples, pad_token_id=0, max_seq_len=4096)
     loss = torch.func.functional_call(model, merged, kwargs={k: batch[k] for k in ("input_ids", "labels", "position_ids")},

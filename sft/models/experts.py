@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from sft.distributed import local_part
+from sft.models.nf4 import dequantized, full_shape, is_nf4
 
 # The fused expert weights of transformers' experts interface, in the order its classes define them
 # (PEFT nests its adapters of them in this order: sft/models/peft_format.py).
@@ -52,7 +54,7 @@ class GroupedExperts:
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self.top_k_index = top_k_index  # for the block's statistics
         return expert_outputs(self, hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index,
-                              self.gate_up_proj.shape[0], self.run_experts)
+                              self.num_experts, self.run_experts)
 
     def compute(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Each row through its expert: rows sorted by (this rank's) expert, `expert_ids` their
@@ -65,12 +67,42 @@ class GroupedExperts:
         adapters where lora.target_modules names the experts (`<name>_lora`, sft/models/lora.py)."""
         # Under expert parallelism the gathered weights are DTensors over the ep ranks, sharded by
         # expert (sft/parallel/expert_parallel.py): their local part is this rank's experts.
-        out = grouped_linear(rows, local_part(getattr(self, name)), ends, self.is_transposed)
+        weight = getattr(self, name)
+        if is_nf4(weight) and torch.compiler.is_compiling():
+            # QLoRA (lora.base: nf4; whole on every rank, never under expert parallelism). Compiled,
+            # the partitioner would keep the dequantised weight for the backward unless its
+            # dequantisation is checkpointed (as LoRALinear's); eager, the function below keeps only NF4.
+            full = checkpoint(dequantized, weight, rows.dtype, full_shape(self, name), use_reentrant=False)
+            out = grouped_linear(rows, full, ends, self.is_transposed)
+        elif is_nf4(weight):
+            out = _FrozenNF4GroupedLinear.apply(rows, weight, full_shape(self, name), ends, self.is_transposed)
+        else:
+            out = grouped_linear(rows, local_part(weight), ends, self.is_transposed)
         if self.has_bias:
             out = out + local_part(getattr(self, f"{name}_bias"))[expert_ids]
         if (adapter := self._modules.get(f"{name}_lora")) is not None:
             out = out + adapter(rows, ends)
         return out
+
+
+class _FrozenNF4GroupedLinear(torch.autograd.Function):
+    """grouped_linear with a frozen NF4 expert weight, dequantised in the forward and again in the
+    backward for the rows' gradient: only the 4-bit weight is kept between them (a bf16 copy of
+    every block's experts would be QLoRA's saving gone), and the weight gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, shape: torch.Size, ends: torch.Tensor,
+                transposed: bool) -> torch.Tensor:
+        ctx.save_for_backward(weight, ends)
+        ctx.shape, ctx.transposed = shape, transposed
+        return grouped_linear(rows, dequantized(weight, rows.dtype, shape), ends, transposed)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, ends = ctx.saved_tensors
+        # d(rows) = grad times each expert's weight the other way round
+        full = dequantized(weight, grad.dtype, ctx.shape)
+        return grouped_linear(grad, full, ends, not ctx.transposed), None, None, None, None
 
 
 def expert_ends(sorted_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

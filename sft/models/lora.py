@@ -27,7 +27,6 @@ training starts from the base model exactly. Everything else is frozen too, but 
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,10 +37,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
+from sft.distributed import local_part
 from sft.errors import UserError
 from sft.models.build import clean_name
 from sft.models.experts import EXPERT_WEIGHTS, grouped_linear
-from sft.models.moe import routed_experts
+from sft.models.moe import general_path_blocks, routed_experts
+from sft.models.nf4 import NF4_GROUP, dequantized, is_nf4, quantize_in_place, splits_into_nf4_groups
 
 
 class LoRAError(UserError):
@@ -73,7 +74,7 @@ class LoRALinear(nn.Module):
             # Compiled, the partitioner would keep each dequantised bf16 weight for the backward
             # (2 bytes a base parameter: QLoRA's saving gone); checkpointed, it keeps the NF4 data and
             # dequantises again there. Eager, torchao's NF4 linear already saves only the NF4 weight.
-            weight = checkpoint(_dequantized, weight, x.dtype, use_reentrant=False)
+            weight = checkpoint(dequantized, weight, x.dtype, use_reentrant=False)
         if self.base_matmul is not None:
             base = self.base_matmul(x, weight)
             base = base + self.bias if self.bias is not None else base
@@ -97,18 +98,16 @@ class ExpertLoRA(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """The adapters' output for `rows` sorted by expert (`ends[e]`: the end row of expert e)."""
-        down = grouped_linear(self.dropout(rows), self.lora_A, ends)
-        return grouped_linear(down, self.lora_B, ends) * self.scaling
+        """The adapters' output for `rows` sorted by (this rank's) expert (`ends[e]`: the end row of
+        expert e). Under expert parallelism the adapters are sharded by expert as the weight is."""
+        a, b = local_part(self.lora_A), local_part(self.lora_B)
+        if pad := -a.shape[1] % 8:  # grouped GEMMs take 16-byte rows: the rank padded with zeros, which add nothing
+            a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
+        return grouped_linear(grouped_linear(self.dropout(rows), a, ends), b, ends) * self.scaling
 
 
 # lora.target_modules' name for the routed experts of the mixture-of-experts blocks on our path
 EXPERTS = "experts"
-
-
-# Bytes per frozen parameter of a 4-bit NormalFloat base (lora.base: nf4, torchao's NF4Tensor): 4 bits
-# a value, an int8 scale per block of 64 values, a float32 scale of those per 256 blocks.
-NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 def initial_adapter(name: str, shape: tuple[int, ...], seed: int, device: torch.device) -> torch.Tensor:
@@ -137,6 +136,7 @@ class LoRA:
 
     cfg: LoRAConfig
     layers: list[LoRALinear]
+    experts: list[nn.Module]  # the experts modules whose fused weights have adapters
     targets: list[str]  # the short names of the adapted layers (q_proj, ..., experts), sorted
     summary: str
 
@@ -145,7 +145,8 @@ class LoRA:
         quarter of the bfloat16 bytes), as QLoRA with data parallelism does elsewhere (PEFT +
         bitsandbytes), and dequantises it in its own matmuls; FSDP2 cannot gather NF4 shards on one
         rank (torch 2.13)."""
-        return {layer.weight for layer in self.layers if is_nf4(layer.weight)}
+        return {weight for module in [*self.layers, *self.experts] for weight in _adapted_weights(module)
+                if is_nf4(weight)}
 
 
 def _targets(blocks: list[nn.Module], patterns: list[str]) -> dict[str, list[tuple[nn.Module, str, nn.Linear]]]:
@@ -172,6 +173,9 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
     experts = routed_experts(blocks) if EXPERTS in cfg.target_modules else []
     missing = [name for name in linear if name != "all-linear" and name not in targets]
     missing += [EXPERTS] if EXPERTS in cfg.target_modules and not experts else []
+    if EXPERTS in missing and (general := general_path_blocks(blocks)):
+        raise LoRAError(f"lora.target_modules={cfg.target_modules}: {general} blocks take the general mixture-of-"
+                        "experts path (transformers' own experts), whose experts take no adapters yet; remove experts")
     if missing or not (targets or experts):
         names = sorted(_targets(blocks, ["all-linear"])) + ([EXPERTS] if routed_experts(blocks) else [])
         raise LoRAError(f"lora.target_modules={cfg.target_modules}: {', '.join(missing) or 'nothing'} names no Linear "
@@ -203,67 +207,54 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
                 if not param.requires_grad and param.dtype != frozen_dtype:
                     module.register_parameter(name, nn.Parameter(param.to(frozen_dtype), requires_grad=False))
     model.tie_weights()  # a tied lm_head is the embedding: one parameter, however it was stored
-    unquantized = _quantize_targets(model) if cfg.base == "nf4" else []
+    unquantized = _quantize_targets(model, experts) if cfg.base == "nf4" else []
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     in_full = f", training {', '.join(cfg.modules_to_save)} in full" if saved else ""
     if cfg.base == "nf4":
         in_full += "; base weights of the adapted layers in NF4" + (
             f" but {', '.join(unquantized)}, which do not split into NF4 groups of {NF4_GROUP} values"
-            if unquantized else "") + ("; the routed experts' weights stay bfloat16" if experts else "")
+            if unquantized else "")
     names = sorted([*targets, *([EXPERTS] if experts else [])])
-    on_experts = f" and the routed experts of {len(experts)} blocks" if experts else ""
-    return LoRA(cfg, adapted, names,
-                f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {len(adapted)} layers{on_experts} "
+    where = [f"{len(adapted)} layers"] if adapted else []
+    where += [f"the routed experts of {len(experts)} blocks"] if experts else []
+    return LoRA(cfg, adapted, experts, names,
+                f"applied LoRA (rank {cfg.rank}, alpha {cfg.alpha:g}) to {' and '.join(where)} "
                 f"({', '.join(names)}){in_full}: {trained / 1e6:.2f}M of "
                 f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters train")
 
 
-# torchao's NF4Tensor quantises a weight in blocks of 64 values and their scales in groups of 256
-# blocks: a weight must hold a multiple of this many values.
-NF4_GROUP = 64 * 256
-
-
-def _quantize_targets(model: nn.Module) -> list[str]:
-    """QLoRA: the target layers' frozen weights as NF4 tensors (still on the meta device: each rank
-    quantises the whole weight as it loads, `quantized`); return the layers whose weights do not
-    split into NF4 groups, which stay in the compute dtype."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-    # compile's cache would like a hash of each NF4 weight; without one it only compiles again
-    warnings.filterwarnings("ignore", message="NF4Tensor does not implement _stable_hash_for_caching")
+def _quantize_targets(model: nn.Module, experts: list[nn.Module]) -> list[str]:
+    """QLoRA: the adapted layers' and experts' frozen weights as NF4 tensors (still on the meta
+    device: each rank quantises the whole weight as it loads, sft/models/weights.py); return the
+    names of those whose weights do not split into NF4 groups, which stay in the compute dtype."""
     kept = set()
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            if _splits_into_nf4_groups(module):
-                module.weight = nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+            if splits_into_nf4_groups(module.weight):
+                quantize_in_place(module, "weight")
             else:
                 kept.add(name.rsplit(".", 1)[-1])
+    for module in experts:
+        for name in EXPERT_WEIGHTS:
+            if splits_into_nf4_groups(getattr(module, name)):
+                quantize_in_place(module, name)
+            else:
+                kept.add(f"{EXPERTS}.{name}")
     return sorted(kept)
 
 
-def _splits_into_nf4_groups(module: LoRALinear) -> bool:
-    return module.weight.numel() % NF4_GROUP == 0
-
-
 def nf4_weights(model: nn.Module) -> list[nn.Parameter]:
-    """The base weights QLoRA stores in NF4: those of the adapted layers that split into NF4 groups."""
-    return [module.weight for module in model.modules()
-            if isinstance(module, LoRALinear) and _splits_into_nf4_groups(module)]
+    """The base weights QLoRA stores in NF4: those of the adapted layers and experts that split into
+    NF4 groups."""
+    return [weight for module in model.modules() for weight in _adapted_weights(module)
+            if splits_into_nf4_groups(weight)]
 
 
-def _dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return weight.to(dtype)
-
-
-def is_nf4(tensor: torch.Tensor) -> bool:
-    return type(tensor).__name__ == "NF4Tensor"
-
-
-def quantized(full: torch.Tensor) -> nn.Parameter:
-    """Frozen base weight `full` as an NF4 parameter, on `full`'s device."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-
-    return nn.Parameter(to_nf4(full.to(torch.bfloat16)), requires_grad=False)
+def _adapted_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The frozen weights of `module` that LoRA adapts: a LoRALinear's, or an experts module's fused ones."""
+    if isinstance(module, LoRALinear):
+        return [module.weight]
+    return [getattr(module, name) for name in EXPERT_WEIGHTS if f"{name}_lora" in module._modules]
 
 
 def _names(module_name: str, name: str) -> bool:

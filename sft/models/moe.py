@@ -109,6 +109,12 @@ def routed_experts(blocks: list[nn.Module]) -> list[nn.Module]:
     return [module.experts for block in blocks for _, module in _sparse_modules(block) if takes_our_path(module)]
 
 
+def general_path_blocks(blocks: list[nn.Module]) -> str | None:
+    """The class of the sparse blocks in `blocks` that take the general path, if any."""
+    return next((type(module).__name__ for block in blocks for _, module in _sparse_modules(block)
+                 if not takes_our_path(module)), None)
+
+
 class _TopKOfItsOwn(TorchFunctionMode):
     """torch.topk's outputs as copies. Activation checkpointing keeps topk's outputs (MoE.kept_ops: the
     routing is never recomputed), and a kept tensor must not change afterwards; transformers' routers
@@ -274,7 +280,7 @@ def parameters_per_token(model: nn.Module) -> tuple[int, int]:
     experts (their weights, gpt-oss's biases, LoRA's adapters) only the k of E it is routed to. The
     MFU numerator counts these (sft/training/metrics.py: flops_per_token)."""
     config = model.config.get_text_config()
-    routed = {id(p): config.num_experts_per_tok / module.experts.gate_up_proj.shape[0]
+    routed = {id(p): config.num_experts_per_tok / module.experts.num_experts
               for _, module in _sparse_modules(model) for p in module.experts.parameters()}
     counts = [0.0, 0.0]
     for p in model.parameters():
@@ -332,16 +338,17 @@ class MoE:
 
     @property
     def num_experts(self) -> int:
-        return self.blocks[0].experts.gate_up_proj.shape[0]
+        return self.blocks[0].experts.num_experts
 
     @staticmethod
     def shard_placement(shard_ranks: int, ep: int = 1):
         """FSDP2 shard_placement_fn: expert weights on the expert dim (Shard(0)) when a rank's
         experts (all of them, or 1/ep under expert parallelism) are at least as many as the ranks
-        that shard them, else on their output rows (Shard(1)), so no rank holds an empty shard."""
+        that shard them, else on their output rows (Shard(1); an adapter's rank-wide dim 1 is split
+        on dim 2 where it is narrower than the ranks), so no rank holds an empty shard."""
         def placement(param: nn.Parameter) -> Shard | None:
             if param.dim() == 3 and param.shape[0] // ep < shard_ranks:
-                return Shard(1)
+                return Shard(1) if param.shape[1] >= shard_ranks else Shard(2)
             return None  # FSDP's default, Shard(0)
         return placement
 

@@ -62,6 +62,19 @@ def merged(name: str, weight: torch.Tensor, trained: dict[str, torch.Tensor], sc
     return weight
 
 
+def unmatched(trained: dict[str, torch.Tensor], model: torch.nn.Module) -> list[str]:
+    """The names in `trained` that `merged` would find no parameter of `model` for (an adapter of
+    another model), sorted."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+
+    def target(name: str) -> str:
+        if match := _EXPERT_ADAPTER.fullmatch(name):
+            return f"{match.group(1)}.{match.group(2)}"
+        return name.split(".lora_")[0] + ".weight" if is_adapter(name) else name
+
+    return sorted(name for name in trained if target(name) not in names)
+
+
 def _to_peft(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     """An adapter tensor by PEFT's name and in its layout (see the module's docstring)."""
     if not (match := _EXPERT_ADAPTER.fullmatch(name)):

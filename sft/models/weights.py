@@ -31,7 +31,8 @@ from sft.distributed import rank0_first
 from sft.models import hub
 from sft.models.build import (ModelError, build_meta_model, clean_name, decoder, missing_local_dir, model_config,
                               persistent_buffers, real_buffers)
-from sft.models.lora import initial_adapter, is_nf4, quantized
+from sft.models.lora import initial_adapter
+from sft.models.nf4 import full_shape, is_nf4, quantized
 from sft.models.peft_format import is_adapter
 from sft.models.vision_language import KEPT, file_names, is_vision_language, kept_names
 
@@ -60,7 +61,8 @@ class SafetensorsWeights:
                              "download the weights (huggingface-cli download) or set model.init: random")
         # MoE: fused expert parameters are per-expert tensors in the hub files (sft/models/hub.py)
         self.model_type = model.config.model_type
-        self.shapes = {clean_name(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter(n)}
+        self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
+                       if not is_adapter(n)}
         self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
@@ -229,7 +231,7 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
             param = model.get_parameter(name)
             if is_nf4(param):  # QLoRA: the whole weight read (one at a time) and quantised where it is used
                 module_name, _, attr = name.rpartition(".")
-                full = weights.read(clean_name(name), tuple(slice(None) for _ in param.shape), device)
+                full = weights.read(clean_name(name), tuple(slice(None) for _ in _full_shape(model, name)), device)
                 model.get_submodule(module_name).register_parameter(attr, quantized(full))
                 continue
             if is_adapter(clean_name(name)):
@@ -251,6 +253,12 @@ def initialise_adapters(model: nn.Module, seed: int, device: torch.device) -> No
             if is_adapter(clean_name(name)):
                 index, local = _shard(param)
                 local.copy_(initial_adapter(clean_name(name), tuple(param.shape), seed, device)[index])
+
+
+def _full_shape(model: nn.Module, name: str) -> torch.Size:
+    """Parameter `name`'s shape as the model defines it (a fused expert weight stored in NF4 is 2-D)."""
+    module_name, _, attr = name.rpartition(".")
+    return full_shape(model.get_submodule(module_name), attr)
 
 
 def _shard(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:

@@ -73,14 +73,15 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
 
 
 def _shard_by_expert(experts: nn.Module, mesh) -> None:
-    """Each expert weight (and gpt-oss bias) of `experts` as a DTensor over the ep ranks, sharded
-    by expert; on the meta device, where nothing is allocated."""
-    for name, param in list(experts.named_parameters(recurse=False)):
+    """Each expert weight (and gpt-oss bias, and LoRA's adapters of them) of `experts` as a DTensor
+    over the ep ranks, sharded by expert; on the meta device, where nothing is allocated."""
+    for name, param in list(experts.named_parameters()):
         ranks, rank = mesh.size(), mesh.get_local_rank()
         local = param.detach().chunk(ranks)[rank]
         sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=param.shape,
                                      stride=param.stride())
-        experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        owner, _, attr = name.rpartition(".")
+        experts.get_submodule(owner).register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
 def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:

@@ -60,7 +60,8 @@ from torch import nn
 from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
 from sft.models.build import decoder_blocks
 from sft.models.packing import cp_unsupported
-from sft.models.lora import NF4_BYTES_PER_PARAMETER, apply_lora, nf4_weights
+from sft.models.lora import apply_lora, nf4_weights
+from sft.models.nf4 import NF4_BYTES_PER_PARAMETER
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token
 from sft.parallel.mesh import ParallelDims
@@ -148,18 +149,17 @@ class Shapes:
         if lora is not None and lora.enabled:
             apply_lora(model, decoder_blocks(model), dataclasses.replace(lora, base="bfloat16"), torch.bfloat16)
             nf4 = [p.numel() for p in nf4_weights(model)] if lora.base == "nf4" else []
-            block_nf4 = nf4_weights(decoder_blocks(model)[0]) if nf4 else []
+            largest = _largest_block(model)
+            block_nf4 = nf4_weights(largest) if nf4 else []
             return dataclasses.replace(
                 cls.of(model), trained_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                block_trained=sum(p.numel() for p in decoder_blocks(model)[0].parameters() if p.requires_grad),
+                block_trained=sum(p.numel() for p in largest.parameters() if p.requires_grad),
                 head_trained=model.get_output_embeddings().weight.requires_grad,
                 nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
         text = model.config.get_text_config()
         params = sum(p.numel() for p in model.parameters())
-        # The largest block (DeepSeek-V3's first layers are dense: its MoE blocks are the largest)
         sizes = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
-        largest = decoder_blocks(model)[sizes.index(max(sizes))]
-        block = max(sizes)
+        largest, block = _largest_block(model), max(sizes)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
         ffn = top_k * expert_ffn if experts else text.intermediate_size
@@ -181,6 +181,12 @@ def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
     if not s.experts:
         return 0
     return 2 * (3 + (2 if ep > 1 else 0)) * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
+
+
+def _largest_block(model: nn.Module) -> nn.Module:
+    """The decoder block with the most parameters (DeepSeek-V3's first layers are dense: its MoE
+    blocks are the largest; with LoRA on the experts, theirs hold the most adapters)."""
+    return max(decoder_blocks(model), key=lambda block: sum(p.numel() for p in block.parameters()))
 
 
 def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,

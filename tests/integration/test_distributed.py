@@ -328,11 +328,19 @@ EXPERT_LORA_RUNS = [
     ("expert lora, 1 expert, 2 ranks", "moe, 1 expert", 2, [*EXPERT_LORA, "--grad-accum", "2"]),
     ("gpt-oss expert lora reference", "gpt-oss", 1, ["--reference", *EXPERT_LORA, "--attn", "eager"]),
     ("gpt-oss expert lora 2 ranks", "gpt-oss", 2, [*EXPERT_LORA, "--grad-accum", "2", "--attn", "eager"]),
+    # expert parallelism: the adapters sharded by expert with their weights
+    ("expert lora ep 2", "moe", 2, [*EXPERT_LORA, "--grad-accum", "2", "--ep", "2"]),
+    # QLoRA: the experts' base in NF4 too, whole on every rank, dequantised in forward and backward
+    ("expert qlora reference", "moe", 1, ["--reference", *EXPERT_LORA, "--lora-base", "nf4"]),
+    ("expert qlora 2 ranks, blocks checkpointed", "moe", 2,
+     [*EXPERT_LORA, "--lora-base", "nf4", "--grad-accum", "2", "--ac-ratio", "1"]),
 ]
 EXPERT_LORA_EQUIVALENT = [("expert lora reference", "expert lora 2 ranks, grad-acc 2"),
                           ("expert lora reference", "expert lora 2 ranks, packed, ops_half"),
                           ("expert lora, 1 expert reference", "expert lora, 1 expert, 2 ranks"),
-                          ("gpt-oss expert lora reference", "gpt-oss expert lora 2 ranks")]
+                          ("gpt-oss expert lora reference", "gpt-oss expert lora 2 ranks"),
+                          ("expert lora reference", "expert lora ep 2"),
+                          ("expert qlora reference", "expert qlora 2 ranks, blocks checkpointed")]
 
 
 @pytest.mark.slow
@@ -346,6 +354,10 @@ def test_lora_on_routed_experts_equals_the_merged_weight_reference(runs, referen
     assert {n for n in ref["grads"] if "_lora." in n} and run["grads"].keys() == ref["grads"].keys()
     assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-6)  # atol: MOE_EQUIVALENT's
     assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
+    if "qlora" in name:  # every expert weight in NF4 (the attention's too, where it splits into NF4 groups)
+        assert sorted({n for n in run["nf4_weights"] if ".experts." in n}) == sorted(
+            f"model.layers.{i}.mlp.experts.{w}" for i in range(4) for w in ("gate_up_proj", "down_proj"))
+        assert run["loss"] != pytest.approx(runs("expert lora reference")["loss"], rel=1e-4)  # NF4 changed the base
 
 
 QLORA = ["--lora-rank", "4", "--lora-base", "nf4"]

@@ -134,7 +134,8 @@ def test_an_nf4_layer_keeps_no_bf16_weight_for_its_backward(compiled):
     dequantised bf16 weight (compiled, the partitioner would keep one unless it is recomputed)."""
     from torch import nn
 
-    from sft.models.lora import LoRALinear, quantized
+    from sft.models.lora import LoRALinear
+    from sft.models.nf4 import quantized
 
     torch.manual_seed(0)
     layer = LoRALinear(nn.Linear(512, 1024, bias=False, dtype=torch.bfloat16), rank=4, scaling=2.0, dropout=0.0)
@@ -248,3 +249,60 @@ def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, de
         base_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits
     torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
     assert (merged_logits - base_logits).abs().max() > 0.1
+
+
+@pytest.mark.slow  # compiles (no process of its own)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_nf4_experts_keep_no_bf16_weight_and_match_their_dequantised_weights(compiled):
+    """QLoRA on the routed experts: the experts' fused weights in NF4 (2-D rows of the 3-D weight),
+    dequantised in the forward and again in the backward; the output and the rows' gradient are those
+    of the dequantised weights, and nothing saved for the backward is a dense expert weight."""
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import LoRAConfig, MoEConfig
+    from sft.models.build import decoder_blocks
+    from sft.models.lora import apply_lora
+    from sft.models.moe import apply_moe
+    from sft.models.nf4 import is_nf4
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", hidden_size=128, moe_intermediate_size=128))
+    apply_moe(model, MoEConfig())
+    experts = model.model.layers[0].mlp.experts
+    dense = {name: getattr(experts, name).detach().to(torch.bfloat16) for name in ("gate_up_proj", "down_proj")}
+    apply_lora(model, decoder_blocks(model), LoRAConfig(rank=8, target_modules=["experts"], base="nf4"), torch.bfloat16)
+    assert is_nf4(experts.gate_up_proj) and experts.gate_up_proj.shape == (8 * 256, 128)
+    assert experts.full_shapes == {"gate_up_proj": (8, 256, 128), "down_proj": (8, 128, 128)}
+    experts.to(torch.bfloat16)
+    with torch.no_grad():  # the adapters as they start: B at zero, so the output is the base's
+        for name in experts.full_shapes:
+            getattr(experts, f"{name}_lora").lora_A.normal_()
+            getattr(experts, f"{name}_lora").lora_B.zero_()
+    rows = torch.randn(24, 128, dtype=torch.bfloat16, requires_grad=True)
+    ends = torch.tensor([3, 3, 9, 12, 15, 20, 22, 24], dtype=torch.int32)
+    compute = torch.compile(experts.compute) if compiled else experts.compute
+    saved = []
+
+    def keep(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = compute(rows, torch.repeat_interleave(torch.arange(8), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int32))), ends)
+        out.float().square().sum().backward()
+    # (compiled, the NF4 tensor is saved as its parts: 4-bit values packed in uint8, and scales)
+    assert [tuple(t.shape) for t in saved if type(t) is torch.Tensor and t.is_floating_point()
+            and t.numel() >= 8 * 128 * 128] == []
+    # the same with the NF4 weights dequantised by hand
+    reference = rows.detach().clone().requires_grad_()
+    round_trip = {name: getattr(experts, name).to(torch.bfloat16).view(shape) for name, shape in experts.full_shapes.items()}
+    start, expected = 0, []
+    for e, end in enumerate(ends.tolist()):
+        gate_up = reference[start:end] @ round_trip["gate_up_proj"][e].T
+        expected.append(experts._apply_gate(gate_up) @ round_trip["down_proj"][e].T)
+        start = end
+    torch.cat(expected).float().square().sum().backward()
+    torch.testing.assert_close(out, torch.cat(expected), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(rows.grad, reference.grad, rtol=2e-2, atol=2e-2)
+    assert (dense["gate_up_proj"] - round_trip["gate_up_proj"]).abs().max() > 0  # NF4, not the bf16 weight

@@ -65,7 +65,8 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
       "fsdp.replicate_degree=2"], "fsdp.replicate_degree > 1 (each replica would round its copy apart)"),
     (["optim.state_dtype=bfloat16", "fsdp.cpu_offload=true"], "bfloat16 moments do not combine with fsdp.cpu_offload"),
     (["moe.ep_degree=2", "fsdp.replicate_degree=2"], "expert parallelism does not combine with cp.degree > 1, "
-                                                     "fsdp.replicate_degree > 1 or LoRA yet"),
+                                                     "fsdp.replicate_degree > 1 or QLoRA's lora.base=nf4"),
+    (["moe.ep_degree=2", "lora.rank=8", "lora.base=nf4"], "moe.ep_degree=2: expert parallelism does not combine"),
     ("model.attn_implementation=sdap", "model.attn_implementation='sdap': not an attention implementation "
                                        "transformers knows (one of eager, flash_attention_2,"),
     ("model.attn_implementation=flash_attention_2", "model.attn_implementation='flash_attention_2': needs the "

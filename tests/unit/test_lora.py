@@ -68,7 +68,7 @@ def test_expert_adapters_in_peft_format_load_with_peft_as_the_merged_model(tmp_p
     from sft.config import LoRAConfig
     from sft.models.build import decoder_blocks
     from sft.models.lora import apply_lora
-    from sft.models.peft_format import merged, read_adapter, write_adapter
+    from sft.models.peft_format import merged, read_adapter, unmatched, write_adapter
 
     base_dir = saved_model_dir(tmp_path, model_type, **EXPERT_FAMILIES[model_type])
     shapes = AutoModelForCausalLM.from_pretrained(base_dir)  # the model names and shapes LoRA adapts
@@ -87,6 +87,9 @@ def test_expert_adapters_in_peft_format_load_with_peft_as_the_merged_model(tmp_p
     assert read.keys() == trained.keys() and all(torch.equal(read[n], trained[n]) for n in trained)
 
     model = AutoModelForCausalLM.from_pretrained(base_dir)
+    assert unmatched(read, model) == []  # sft.chat refuses an adapter with tensors of another model
+    assert unmatched({"model.layers.9.self_attn.o_proj.lora_A.weight": torch.zeros(1)}, model) == [
+        "model.layers.9.self_attn.o_proj.lora_A.weight"]
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(merged(name, param, trained, scaling, model))
@@ -123,7 +126,42 @@ def test_experts_name_routed_experts_only_where_there_are_some():
     # MFU's count: a token runs through 2 of each block's 8 experts, their adapters as their weights
     from sft.models.moe import parameters_per_token
 
-    adapters = sum(p.numel() for p in moe.parameters() if p.requires_grad)
+    # per block: gate_up A 8x4x64 + B 8x64x4, down A 8x4x32 + B 8x64x4 = 7,168 adapters, 2 blocks, a quarter each
+    # token; of the frozen experts (8 x 64 x 64 + 8 x 64 x 32 a block) three quarters are not run
     base = sum(p.numel() for p in moe.parameters() if not p.requires_grad)
-    experts = sum(p.numel() for layer in moe.model.layers for p in layer.mlp.experts.parameters() if not p.requires_grad)
-    assert parameters_per_token(moe) == (adapters // 4, base - experts * 3 // 4)
+    assert parameters_per_token(moe) == (2 * 7168 // 4, base - 2 * (8 * 64 * 64 + 8 * 64 * 32) * 3 // 4)
+
+
+@pytest.mark.parametrize("rank", [4, 16], ids=["rank 4, padded to 8", "rank 16"])
+def test_expert_adapters_run_grouped_gemms_and_equal_each_experts_own_matmuls(rank):
+    """bf16 rows through ExpertLoRA take the grouped GEMM (a rank not a multiple of 8 padded with
+    zeros for its 16-byte rows) and equal s B_e A_e x expert by expert, forward and gradients."""
+    from sft.models.experts import _grouped_mm_runs
+    from sft.models.lora import ExpertLoRA
+
+    torch.manual_seed(0)
+    experts, fan_in, fan_out = 4, 64, 32
+    lora = ExpertLoRA(experts, fan_in, fan_out, rank, scaling=2.0, dropout=0.0, device=torch.device("cpu"))
+    with torch.no_grad():
+        lora.lora_A.normal_()
+        lora.lora_B.normal_()
+    lora.to(torch.bfloat16)
+    assert _grouped_mm_runs(torch.zeros(1, fan_in, dtype=torch.bfloat16), lora.lora_A.transpose(1, 2), 8)
+    ends = torch.tensor([5, 5, 12, 16], dtype=torch.int32)  # expert 1 gets no row
+    rows = torch.randn(16, fan_in, dtype=torch.bfloat16, requires_grad=True)
+    out = lora(rows, ends)
+    out.float().square().sum().backward()
+    grads = {name: p.grad.float() for name, p in lora.named_parameters()}
+
+    a, b = (p.detach().float().requires_grad_() for p in (lora.lora_A, lora.lora_B))
+    x = rows.detach().float().requires_grad_()
+    start, expected = 0, []
+    for e, end in enumerate(ends.tolist()):
+        expected.append(2.0 * x[start:end] @ a[e].T @ b[e].T)
+        start = end
+    torch.cat(expected).square().sum().backward()
+    for ours, reference in ((out.float(), torch.cat(expected)), (rows.grad.float(), x.grad),
+                            (grads["lora_A"], a.grad), (grads["lora_B"], b.grad)):
+        # bf16 (8 bits of mantissa) products of sums: within 2% of the largest value
+        torch.testing.assert_close(ours, reference, rtol=0, atol=2e-2 * reference.abs().max().item())
+    assert grads["lora_A"][1].abs().max() == 0  # no row, no gradient

@@ -7,7 +7,7 @@ import pytest
 from helpers import REPO, run_cli
 from sft.config import ConfigError, ModelConfig
 from sft.models.build import build_meta_model
-from sft.models.lora import NF4_BYTES_PER_PARAMETER
+from sft.models.nf4 import NF4_BYTES_PER_PARAMETER
 from sft.plan import main as plan_main
 from sft.parallel.activation_checkpointing import AC_MODES, kept_bytes_per_token, recompute_fraction
 from sft.plan import ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank, peak_bytes, suggest
