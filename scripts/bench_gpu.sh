@@ -69,6 +69,7 @@
 #             TRACE=1: plan.auto's LoRA runs (bf16 and float8 tensorwise) traced at steps 9-10
 #   lora30b   issue #46, one GPU: the whole Qwen3-30B-A3B with LoRA on the attention and every routed expert
 #             (plan.auto; mb 2 ac 1), then the peer (TRL + peft target_parameters, the same adapters) at PEER_BS rows
+#   qlora30b  issue #46, one GPU: the same with QLoRA's NF4 base (experts too): plan.auto for an 80 GB card, mb 2 ac 1
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
@@ -601,6 +602,16 @@ RUNS
         if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/lora30b.md
         else grep -iE "error|out of memory" "$log" | tail -3; fi
       done ;;
+    qlora30b)  # issue #46, one GPU: lora30b's adapters with the base in NF4, the routed experts' too (lora.base=nf4):
+      # plan.auto within an 80 GB card's memory (plan.gpu_mem_gib=80), then mb 2 with every block checkpointed
+      p7b_data
+      Q30B="configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 \
+lora.target_modules=[all-linear,experts] optim.lr=2e-4 lora.base=nf4"
+      ac_runs qlora30b <<RUNS
+qlora30b-auto80 $Q30B plan.auto=true plan.gpu_mem_gib=80
+qlora30b-mb2-ac1 $Q30B train.micro_batch_size=2 ac.ratio=1
+RUNS
+      ;;
     qlora72b)
       p7b_data
       ac_runs qlora72b <<RUNS
