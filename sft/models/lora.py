@@ -101,9 +101,14 @@ class ExpertLoRA(nn.Module):
         """The adapters' output for `rows` sorted by (this rank's) expert (`ends[e]`: the end row of
         expert e). Under expert parallelism the adapters are sharded by expert as the weight is."""
         a, b = local_part(self.lora_A), local_part(self.lora_B)
-        if pad := -a.shape[1] % 8:  # grouped GEMMs take 16-byte rows: the rank padded with zeros, which add nothing
+        if pad := grouped_rank(a.shape[1]) - a.shape[1]:  # zeros, which add nothing
             a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
         return grouped_linear(grouped_linear(self.dropout(rows), a, ends), b, ends) * self.scaling
+
+
+def grouped_rank(rank: int) -> int:
+    """The rank an expert adapter's grouped GEMMs run at: a multiple of 8 (16-byte rows of bf16)."""
+    return rank + -rank % 8
 
 
 # lora.target_modules' name for the routed experts of the mixture-of-experts blocks on our path
@@ -139,6 +144,12 @@ class LoRA:
     experts: list[nn.Module]  # the experts modules whose fused weights have adapters
     targets: list[str]  # the short names of the adapted layers (q_proj, ..., experts), sorted
     summary: str
+
+    @property
+    def widths(self) -> frozenset[int]:
+        """The adapters' inner widths (the rank; the experts' grouped GEMMs run it padded):
+        activation checkpointing tells their matmuls from the base's by them."""
+        return frozenset((self.cfg.rank, grouped_rank(self.cfg.rank)))
 
     def nf4_parameters(self) -> set[nn.Parameter]:
         """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a

@@ -126,15 +126,24 @@ def _expensive_ops() -> tuple[frozenset, frozenset]:
     return matmuls, attention
 
 
-def _selective_context(mode: ACMode, always_kept: frozenset) -> tuple:
+def _selective_context(mode: ACMode, always_kept: frozenset, adapter_widths: frozenset) -> tuple:
     """Fresh selective-checkpoint contexts for one checkpointed forward (checkpoint asks for them on
     each call): the policy counts the matmuls of the forward and of its recomputation apart, so both
-    make the same choices. `always_kept`: ops whose outputs are kept in every mode (MoE routing)."""
+    make the same choices. `always_kept`: ops whose outputs are kept in every mode (MoE routing).
+    `adapter_widths`: LoRA's rank (and its padded width): a matmul into or out of that width is an
+    adapter's, cheap to redo and as wide as its base matmul's output to keep, so it is neither kept
+    nor counted (the kept matmuls stay the block's own, as the planner counts them)."""
     matmuls, attention = _expensive_ops()
     seen = {False: 0, True: 0}
 
+    def adapters(func, args) -> bool:
+        a, b = args[1:3] if func is torch.ops.aten.addmm.default else args[:2]
+        return a.shape[-1] in adapter_widths or b.shape[-1] in adapter_widths
+
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        if func in matmuls and mode.keep_every_matmul is not None:
+        if func in matmuls and mode.keep_every_matmul is not None and adapters(func, args):
+            keep = False
+        elif func in matmuls and mode.keep_every_matmul is not None:
             seen[ctx.is_recompute] += 1
             keep = mode.keep_every_matmul > 0 and (seen[ctx.is_recompute] - 1) % mode.keep_every_matmul == 0
         else:
@@ -144,11 +153,12 @@ def _selective_context(mode: ACMode, always_kept: frozenset) -> tuple:
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kept: frozenset = frozenset()
-             ) -> list[nn.Module]:
+def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kept: frozenset = frozenset(),
+             adapter_widths: frozenset = frozenset()) -> list[nn.Module]:
     """Wrap the blocks ac.ratio picks in non-reentrant activation checkpointing (ac.mode: the whole
     block recomputed, or only its cheap ops); returns the new block list. `always_kept`: ops whose
-    outputs are never recomputed (MoE routing: recomputation must reuse the forward's choice)."""
+    outputs are never recomputed (MoE routing: recomputation must reuse the forward's choice);
+    `adapter_widths`: LoRA's (sft/models/lora.py: LoRA.widths), whose matmuls op-level modes redo."""
     # Imported here: torch's checkpoint wrapper imports FSDP, which the planner does not need.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
@@ -157,7 +167,7 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kep
     # Selective: the contexts tell autograd (or, compiled, the partitioner) which op outputs to keep.
     options = {}
     if mode.keep_every_matmul is not None or always_kept:
-        options["context_fn"] = functools.partial(_selective_context, mode, always_kept)
+        options["context_fn"] = functools.partial(_selective_context, mode, always_kept, adapter_widths)
     wrapped = []
     for i, block in enumerate(blocks):
         if i in chosen:

@@ -52,7 +52,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
         apply_expert_parallel(moe, dims)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks, lora=lora)
-    blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset())
+    blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset(),
+                      adapter_widths=lora.widths if lora else frozenset())
     if compile_blocks:
         apply_compile(blocks)
     apply_fsdp(model, blocks, dims, fsdp, moe, lora)
