@@ -148,8 +148,10 @@ class LoRA:
     @property
     def widths(self) -> frozenset[int]:
         """The adapters' inner widths (the rank; the experts' grouped GEMMs run it padded):
-        activation checkpointing tells their matmuls from the base's by them."""
-        return frozenset((self.cfg.rank, grouped_rank(self.cfg.rank)))
+        activation checkpointing tells their matmuls from the base's by them. A base matmul of
+        that width (eager attention's scores at a head_dim equal to the rank, a router with as many
+        experts) is then recomputed too: correct, a little more work."""
+        return frozenset((self.cfg.rank, *([grouped_rank(self.cfg.rank)] if self.experts else [])))
 
     def nf4_parameters(self) -> set[nn.Parameter]:
         """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a

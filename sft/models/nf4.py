@@ -14,6 +14,11 @@ from torch import nn
 # values, a float32 scale of those per 256 blocks.
 NF4_BYTES_PER_PARAMETER = 0.5 + 1 / 64 + 4 / (64 * 256)
 
+# Bytes a value at the peak of an eager dequantisation to bf16 (torchao's get_original_weight: the
+# bf16 result and int64 index tensors at once; measured on the CPU at 8.5 above the peak before it,
+# which the NF4 source's own bf16 had set). Compiled, the dequantisation fuses: the bf16 result alone.
+NF4_EAGER_DEQUANT_BYTES = 10
+
 # torchao's NF4Tensor quantises a weight in blocks of 64 values and their scales in groups of 256
 # blocks: a weight must hold a multiple of this many values.
 NF4_GROUP = 64 * 256

@@ -137,8 +137,11 @@ def _selective_context(mode: ACMode, always_kept: frozenset, adapter_widths: fro
     seen = {False: 0, True: 0}
 
     def adapters(func, args) -> bool:
+        if not adapter_widths:
+            return False
         a, b = args[1:3] if func is torch.ops.aten.addmm.default else args[:2]
-        return a.shape[-1] in adapter_widths or b.shape[-1] in adapter_widths
+        # compiled with dynamic shapes a width may be symbolic (unhashable): never a rank
+        return any(type(width) is int and width in adapter_widths for width in (a.shape[-1], b.shape[-1]))
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         if func in matmuls and mode.keep_every_matmul is not None and adapters(func, args):

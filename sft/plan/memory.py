@@ -61,7 +61,7 @@ from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
 from sft.models.build import decoder_blocks
 from sft.models.packing import cp_unsupported
 from sft.models.lora import apply_lora, nf4_weights
-from sft.models.nf4 import NF4_BYTES_PER_PARAMETER
+from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token
 from sft.parallel.mesh import ParallelDims
@@ -126,6 +126,7 @@ class Shapes:
     # on every rank) and the largest of them (dequantised to bf16 one matrix at a time).
     trained_params: int | None = None
     block_trained: int | None = None
+    block_trained_experts: int | None = None  # of block_trained: the routed experts' (their adapters)
     head_trained: bool = True
     nf4_params: int = 0
     block_nf4: int = 0
@@ -143,6 +144,10 @@ class Shapes:
     def block_trained_params(self) -> int:
         return self.block_params if self.block_trained is None else self.block_trained
 
+    @property
+    def block_trained_expert_params(self) -> int:
+        return self.block_experts if self.block_trained_experts is None else self.block_trained_experts
+
     @classmethod
     def of(cls, model: nn.Module, lora: LoRAConfig | None = None) -> Shapes:
         """The shapes of `model` (a meta-device model), trained as `lora` says (on it: it is changed)."""
@@ -154,6 +159,8 @@ class Shapes:
             return dataclasses.replace(
                 cls.of(model), trained_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
                 block_trained=sum(p.numel() for p in largest.parameters() if p.requires_grad),
+                block_trained_experts=sum(p.numel() for n, p in largest.named_parameters()
+                                          if p.requires_grad and ".experts." in n),
                 head_trained=model.get_output_embeddings().weight.requires_grad,
                 nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
         text = model.config.get_text_config()
@@ -202,11 +209,12 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     `weight_bytes`: fsdp.param_dtype's, of the gathered and the frozen weights."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
-    # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16.
+    # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16 (eager,
+    # torchao's dequantisation holds its int64 indices meanwhile: NF4_EAGER_DEQUANT_BYTES a value).
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
     block_bytes = weight_bytes * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / ep))
-    gathered = ((2 if reshard_after_forward else s.layers) * block_bytes
-                + weight_bytes * (s.root_params + s.largest_nf4))
+    dequantised = (weight_bytes if compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
+    gathered = (2 if reshard_after_forward else s.layers) * block_bytes + weight_bytes * s.root_params + dequantised
     if compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:
@@ -251,7 +259,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         state_in_forward = ((state.checkpoint + grads_in_forward) * s.trained + frozen) / shard_ranks + nf4
         state_in_backward = (state.total * s.trained + frozen) / shard_ranks + nf4
     # in the reduce dtype, for the reduce-scatter
-    unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_experts * (1 - 1 / ep))
+    unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_trained_expert_params * (1 - 1 / ep))
     end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
     end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * per_token_layer)
     return max(end_of_forward, end_of_backward)

@@ -306,3 +306,62 @@ def test_nf4_experts_keep_no_bf16_weight_and_match_their_dequantised_weights(com
     torch.testing.assert_close(out, torch.cat(expected), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(rows.grad, reference.grad, rtol=2e-2, atol=2e-2)
     assert (dense["gate_up_proj"] - round_trip["gate_up_proj"]).abs().max() > 0  # NF4, not the bf16 weight
+
+
+def _kept_for_backward(mode: str, lora: bool, dynamic: bool = False, attention: str = "sdpa") -> list[tuple]:
+    """Shapes of the float tensors a compiled MoE block checkpointed in op-level `mode` keeps for its
+    backward, with or without LoRA on every Linear and expert (rank 16)."""
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import ACConfig, LoRAConfig, MoEConfig
+    from sft.models.build import decoder_blocks
+    from sft.models.lora import apply_lora
+    from sft.models.moe import MoE, apply_moe
+    from sft.parallel.activation_checkpointing import apply_ac
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=128,
+                                                         num_hidden_layers=1, head_dim=64),
+                                             attn_implementation=attention)
+    moe = apply_moe(model, MoEConfig(aux_loss_coef=0.0))
+    adapters = apply_lora(model, decoder_blocks(model), LoRAConfig(rank=16, target_modules=["all-linear", "experts"]),
+                          torch.bfloat16) if lora else None
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.02)
+    model.to(torch.bfloat16)
+    block = apply_ac(model, decoder_blocks(model), ACConfig(1.0, mode), always_kept=MoE.kept_ops,
+                     adapter_widths=adapters.widths if adapters else frozenset())[0]
+    forward = torch.compile(block, dynamic=dynamic)
+    kept = []
+    for length in (512, 384) if dynamic else (512,):
+        x = torch.randn(1, length, 256, dtype=torch.bfloat16, requires_grad=True)
+        positions = torch.arange(length)[None]
+        moe.begin_step(torch.tensor(float(length)))
+        moe.begin_micro_batch(torch.ones(length))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = forward(x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=None,
+                          position_ids=positions)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        kept = sorted(tuple(t.shape) for t in saved if type(t) is torch.Tensor and t.is_floating_point()
+                      and t.numel() >= length * 64)
+    return kept
+
+
+@pytest.mark.slow  # compiles (no process of its own)
+@pytest.mark.parametrize("mode", ["ops", "ops_half"])
+def test_op_level_checkpointing_keeps_the_same_outputs_with_lora_as_without(mode):
+    """A LoRA block checkpointed at op level keeps its base matmuls' outputs, as the planner counts
+    them, and no adapter's (each as wide as its base matmul's output): with adapters on every Linear
+    and every expert it keeps exactly what the block without them keeps."""
+    assert _kept_for_backward(mode, lora=True) == _kept_for_backward(mode, lora=False)
+
+
+@pytest.mark.slow  # compiles (no process of its own)
+def test_op_level_checkpointing_takes_symbolic_widths():
+    """Compiled with dynamic shapes, eager attention's matmuls have the row length as a width: the
+    policy that tells adapters' matmuls by width takes it (a symbolic size cannot be hashed)."""
+    assert _kept_for_backward("ops", lora=True, dynamic=True, attention="eager")
