@@ -342,7 +342,7 @@ def _kept_for_backward(mode: str, lora: bool, dynamic: bool = False, attention: 
         moe.begin_step(torch.tensor(float(length)))
         moe.begin_micro_batch(torch.ones(length))
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
             out = forward(x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=None,
                           position_ids=positions)
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
