@@ -29,6 +29,25 @@ def lora(data, out, name, *overrides, nproc=2):
                     nproc=nproc, config=CONFIG)
 
 
+def peft_loads_the_merged_model(checkpoint, adapter, merged, base, capsys) -> None:
+    """`checkpoint` exported merged into `merged` (float32) gives the logits PEFT gives with the exported
+    `adapter` on its base (nothing else named), and not the base's: the adapter changed the model."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from sft.export import main as export
+
+    status, _, err = run_cli(export, [str(checkpoint), str(merged), "--merge", "--dtype", "float32"], capsys)
+    assert status == 0, err
+    ids = torch.randint(3, 800, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        peft_logits = AutoPeftModelForCausalLM.from_pretrained(adapter)(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base)(input_ids=ids).logits
+    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
+    assert (merged_logits - base_logits).abs().max() > 0.1
+
+
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory, demo_data):
     """The frozen base as `make demo-lora` writes it, and 6 uninterrupted steps on 2 ranks with a
@@ -77,11 +96,7 @@ def test_a_lora_checkpoint_resumes_on_another_number_of_ranks(continuous, demo_d
 def test_the_adapter_loads_with_peft_onto_its_base_and_merges(continuous, demo_data, capsys):
     """PEFT reads the adapter with nothing but its directory (the base is the one adapter_config.json
     names); its logits are the merged export's; the model learnt (its eval loss is the run's)."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM
-
     from sft.chat import main as chat
-    from sft.export import main as export
 
     adapter = continuous / "continuous" / "export"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -90,17 +105,8 @@ def test_the_adapter_loads_with_peft_onto_its_base_and_merges(continuous, demo_d
     assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
                                                 "v_proj"]
     merged = continuous / "merged"
-    status, _, err = run_cli(export, [str(continuous / "continuous" / "checkpoints" / "step-6"), str(merged),
-                                      "--merge", "--dtype", "float32"], capsys)
-    assert status == 0, err
-
-    ids = torch.randint(3, 800, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        peft_logits = AutoPeftModelForCausalLM.from_pretrained(adapter)(input_ids=ids).logits
-        merged_logits = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
-        base_logits = AutoModelForCausalLM.from_pretrained(continuous / "base")(input_ids=ids).logits
-    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
-    assert (merged_logits - base_logits).abs().max() > 0.1  # the adapter changed the model
+    peft_loads_the_merged_model(continuous / "continuous" / "checkpoints" / "step-6", adapter, merged,
+                                continuous / "base", capsys)
 
     assert eval_losses(continuous / "continuous")[-1] < 0.9 * eval_losses(continuous / "continuous")[0]
     status, answer, err = run_cli(chat, [str(adapter), "--prompt", "Spell the word 'rocket'.", "--max-new-tokens", "8"],
@@ -210,11 +216,6 @@ def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, de
     (lora.target_modules: [q_proj, v_proj, experts]), 2 ranks: the checkpoint holds the adapters
     alone and resumes bit for bit; the exported adapter loads with PEFT (target_parameters) onto
     the base and gives the merged export's logits; the eval loss falls."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM
-
-    from sft.export import main as export
-
     subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo_moe/model", str(tmp_path / "base"),
                     "--dtype", "float32", "--device", "cpu"], cwd=REPO, check=True, capture_output=True)
     experts = ["model.tokenizer=configs/demo/model", "lora.target_modules=[q_proj, v_proj, experts]",
@@ -239,16 +240,7 @@ def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, de
     adapter, merged = tmp_path / "whole" / "export", tmp_path / "merged"
     assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == [
         "experts.gate_up_proj", "experts.down_proj"]
-    status, _, err = run_cli(export, [str(tmp_path / "whole" / "checkpoints" / "step-6"), str(merged), "--merge",
-                                      "--dtype", "float32"], capsys)
-    assert status == 0, err
-    ids = torch.randint(3, 800, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        peft_logits = AutoPeftModelForCausalLM.from_pretrained(adapter)(input_ids=ids).logits
-        merged_logits = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
-        base_logits = AutoModelForCausalLM.from_pretrained(tmp_path / "base")(input_ids=ids).logits
-    torch.testing.assert_close(merged_logits, peft_logits, rtol=1e-4, atol=1e-4)
-    assert (merged_logits - base_logits).abs().max() > 0.1
+    peft_loads_the_merged_model(tmp_path / "whole" / "checkpoints" / "step-6", adapter, merged, tmp_path / "base", capsys)
 
 
 @pytest.mark.slow  # compiles (no process of its own)
