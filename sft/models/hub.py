@@ -125,9 +125,11 @@ def hub_shapes(model_type: str, name: str, shape: tuple[int, ...]) -> dict[str, 
 def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...],
                      index: tuple[slice, ...]) -> torch.Tensor:
     """Slice `index` of fused expert parameter `name` (full `shape`) assembled from the hub's
-    per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`)."""
+    per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`). The
+    index may leave dims or bounds out (the whole tensor: `()`, `slice(None)`), as any tensor's may."""
     layout = hub_layout(model_type)
-    experts, rows, cols = index
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    experts, rows, cols = (slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
     parts = []
     for e in range(experts.start, experts.stop):
         names = _expert_names(layout, name, e)

@@ -136,8 +136,9 @@ class SafetensorsWeights:
         return None
 
     def holds(self, name: str) -> bool:
-        """Whether the files hold the model's tensor `name` (a buffer may be absent: its init stands)."""
-        return self._file_name(name) is not None
+        """Whether the files hold the model's tensor `name`, as one tensor or, for fused experts in the
+        hub's layout, one per expert (a buffer may be absent: its init stands)."""
+        return self._file_name(name) is not None or (hub.is_fused_expert(name) and name in self.shapes)
 
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""

@@ -213,11 +213,16 @@ def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous,
 @pytest.mark.slow
 def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, demo_data, capsys):
     """The MoE demo's base (8 experts a block) with adapters on the attention and on every expert
-    (lora.target_modules: [q_proj, v_proj, experts]), 2 ranks: the checkpoint holds the adapters
-    alone and resumes bit for bit; the exported adapter loads with PEFT (target_parameters) onto
-    the base and gives the merged export's logits; the eval loss falls."""
-    subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo_moe/model", str(tmp_path / "base"),
-                    "--dtype", "float32", "--device", "cpu"], cwd=REPO, check=True, capture_output=True)
+    (lora.target_modules: [q_proj, v_proj, experts]), 2 ranks, the base in the hub's per-expert
+    layout: the checkpoint holds the adapters alone and resumes bit for bit; the exported adapter
+    loads with PEFT (target_parameters) onto the base and gives the merged export's logits (merged
+    into the per-expert tensors); the eval loss falls."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # the base as transformers saves it (and publishers ship it): one tensor per expert
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs/demo_moe/model")).save_pretrained(
+        tmp_path / "base")
     experts = ["model.tokenizer=configs/demo/model", "lora.target_modules=[q_proj, v_proj, experts]",
                "lora.modules_to_save=[]", "moe.aux_loss_coef=0.1"]
     proc = lora(demo_data, tmp_path, "whole", *experts, "eval.every_steps=3")

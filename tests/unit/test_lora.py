@@ -165,3 +165,21 @@ def test_expert_adapters_run_grouped_gemms_and_equal_each_experts_own_matmuls(ra
         # bf16 (8 bits of mantissa) products of sums: within 2% of the largest value
         torch.testing.assert_close(ours, reference, rtol=0, atol=2e-2 * reference.abs().max().item())
     assert grads["lora_A"][1].abs().max() == 0  # no row, no gradient
+
+
+def test_a_fused_expert_weight_reads_whole_from_the_hubs_per_expert_tensors(tmp_path):
+    """The merged export (`read(name, ())`) and QLoRA's NF4 load (`slice(None)` per dim) read a fused
+    expert weight whole from a checkpoint saved by transformers (one tensor per expert), and the files
+    are said to hold it: both the layout publishers ship."""
+    from helpers import saved_model_dir
+    from transformers import AutoModelForCausalLM
+
+    from sft.models.weights import SafetensorsWeights
+
+    base = saved_model_dir(tmp_path, "qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    weights = SafetensorsWeights(str(base), model)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert weights.holds(name)
+    for index in ((), (slice(None),) * 3):
+        torch.testing.assert_close(weights.read(name, index, torch.device("cpu")), model.get_parameter(name).detach())
