@@ -101,11 +101,14 @@ _SUPPORTS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
 
 def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
     """`wanted` (model.attn_implementation) where the architecture can run it, else the first it can of
-    flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture has
-    (gpt-oss: no SDPA, for its attention sinks). Remote code: `wanted`, for transformers to judge."""
+    sdpa, flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture
+    has (gpt-oss: no SDPA, for its attention sinks; Qwen3.5 in transformers 5.17: no flex). Remote
+    code: `wanted`, for transformers to judge."""
     cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is None or getattr(cls, _SUPPORTS.get(wanted, ""), True):
         return wanted
+    if cls._supports_sdpa:
+        return "sdpa"
     return "flex_attention" if torch.cuda.is_available() and cls._supports_flex_attn else "eager"
 
 
@@ -164,12 +167,25 @@ def use_causal_sdpa(model: PreTrainedModel, packing: bool) -> bool:
     return True
 
 
+# Layer kinds (config.layer_types, as transformers names them) that attend over the row.
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def attention_layer_count(config: PretrainedConfig) -> int:
+    """How many layers attend: a hybrid's recurrent layers (Gated DeltaNet, Mamba) do not; a config
+    without layer_types attends in every layer."""
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None)
+    return sum(kind in ATTENTION_LAYERS for kind in kinds) if kinds else text.num_hidden_layers
+
+
 def attends_fully(model: PreTrainedModel) -> bool:
-    """Whether every layer of `model` attends to the whole (causal) row: no sliding window, no soft
-    cap of the attention logits. Masks, causal-only kernels and context parallelism rely on it."""
+    """Whether every layer of `model` that attends attends to the whole (causal) row: no sliding
+    window, no soft cap of the attention logits (a hybrid's recurrent layers take no mask). Masks,
+    causal-only kernels and context parallelism rely on it."""
     config = model.config.get_text_config()
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    return (layer_types == {"full_attention"} and not getattr(config, "sliding_window", None)
+    attending = set(getattr(config, "layer_types", None) or ["full_attention"]) & ATTENTION_LAYERS
+    return (attending <= {"full_attention"} and not getattr(config, "sliding_window", None)
             and not getattr(config, "attn_logit_softcapping", None))
 
 

@@ -34,22 +34,31 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, masking_utils
 from transformers.activations import ACT2FN
 
 from sft.errors import UserError
-from sft.models.build import attends_fully, decoder
+from sft.models.build import ATTENTION_LAYERS, attends_fully, decoder
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
-STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
+STATELESS_LAYERS = ATTENTION_LAYERS | {"mlp", "moe"}
 # Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
                     "DeltaAttention", "Rglru")
 # The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
 DOCUMENT_ENDS = "sft_document_ends"
+
+
+class DocumentEnds(NamedTuple):
+    """What DOCUMENT_ENDS carries: the documents' ends (document_ends) on the host and on the device,
+    one tensor each for every layer of a forward. flash-linear-attention caches its chunk indices on
+    the device tensor's identity and computes them from the host one: no GPU sync, once a forward."""
+    on_host: torch.Tensor
+    on_device: torch.Tensor
 
 
 class PackingError(UserError):
@@ -97,23 +106,25 @@ def builds_document_masks(model: PreTrainedModel) -> bool:
     """Whether `model` builds its attention masks from the position ids, so that the documents of a
     packed row do not see each other: its own forward is run (on the meta device: nothing is
     computed) on a packed row's positions, watching whether transformers looks for the documents."""
-    looked = []
-    find = masking_utils.find_packed_sequence_indices
+    class Looked(Exception):
+        pass
 
     def watched(position_ids: torch.Tensor):
-        looked.append(position_ids)
-        return find(position_ids)
+        raise Looked  # the forward stops here: no layer runs (a GPU kernel given meta tensors would fault)
 
+    find = masking_utils.find_packed_sequence_indices
     masking_utils.find_packed_sequence_indices = watched
     try:
         with torch.no_grad():
             decoder(model)[1](input_ids=torch.ones((1, 4), dtype=torch.long, device="meta"),
                              position_ids=torch.tensor([[0, 1, 0, 1]]), use_cache=False)
-    except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: what matters was seen
+    except Looked:
+        return True
+    except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: it never looked
         pass
     finally:
         masking_utils.find_packed_sequence_indices = find
-    return bool(looked)
+    return False
 
 
 def check_packing(model: PreTrainedModel, packing: bool) -> None:
@@ -145,13 +156,13 @@ def enable_exact_packing(model: PreTrainedModel) -> None:
 
 
 def document_ends(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """The cumulative ends of the documents of rows [B, T] flattened into one sequence (int32, as
+    """The cumulative ends of the documents of rows [B, T] flattened into one sequence (int64, as
     varlen kernels take them: [0, end_1, ..., B*T]); positions restart at 0 with every document.
     None for rows of one document each (nothing to keep apart). On the host: no GPU sync."""
     starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
     if len(starts) == position_ids.shape[0]:
         return None
-    return torch.cat([starts, torch.tensor([position_ids.numel()])]).to(torch.int32)
+    return torch.cat([starts, torch.tensor([position_ids.numel()])])
 
 
 def _document_ids(ends: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -170,7 +181,7 @@ def _conv_by_document(original):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         # hidden_states [B, C, T], weight [C, K]: out[t] = sum_j weight[K-1-j] x[t-j], taps in t's document only
         batch, _, length = hidden_states.shape
-        document = _document_ids(ends.to(hidden_states.device), torch.Size((batch, length)))
+        document = _document_ids(ends.on_device, torch.Size((batch, length)))
         x = hidden_states.to(weight.dtype)
         kernel = weight.shape[-1]
         out = x * weight[:, kernel - 1, None]
@@ -188,7 +199,7 @@ def _conv_by_document(original):
 
 
 @functools.cache
-def _fla_delta_rule():
+def fla_delta_rule():
     """flash-linear-attention's chunked gated delta rule, None where it is not installed."""
     try:
         return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
@@ -202,17 +213,17 @@ def _delta_rule_by_document(original):
     @functools.wraps(original)
     def chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
         ends = kwargs.pop(DOCUMENT_ENDS, None)
-        if ends is None:
-            return original(query, key, value, g=g, beta=beta, **kwargs)
+        if ends is None:  # transformers' choice, but on a CPU its reference (flash-linear-attention is GPU-only)
+            return (original if query.is_cuda else reference)(query, key, value, g=g, beta=beta, **kwargs)
         l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
         batch, length = query.shape[:2]
         flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
-        fla = _fla_delta_rule()
+        fla = fla_delta_rule()
         if fla is not None and query.is_cuda:
             out, _ = fla(*flat, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=l2norm,
-                         cu_seqlens=ends.to(query.device, torch.long))
+                         cu_seqlens=ends.on_device, cu_seqlens_cpu=ends.on_host)
         else:  # every document from a zero state, through transformers' own reference
-            bounds = ends.tolist()
+            bounds = ends.on_host.tolist()
             out = torch.cat([reference(*(t[:, start:end] for t in flat), use_qk_l2norm_in_kernel=l2norm)[0]
                              for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
         return out.reshape(batch, length, *out.shape[2:]), None

@@ -163,13 +163,17 @@ def explain_out_of_memory(cfg: Config, world_size: int, gpu_mem_gib: float) -> N
     (worked out when it happens: no start-up cost)."""
     def explanation(error: BaseException) -> UserError:
         s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
-        m = Machine.of(world_size, gpu_mem_gib)
         predicted = predict_gib(s, cfg, world_size, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)
         peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
-        fitting = suggest(s, cfg, m)
-        fix = (f"set {as_overrides(*fitting)} (or plan.auto: true)" if fitting else
-               f"nothing fits this layout; `python -m sft.plan --config <this config> --gpus {world_size} "
-               f"--gpu-mem {gpu_mem_gib:.0f}` names one that does")
+        # Where this rank held more than predicted, the planner under-estimates this model: plan as if
+        # every prediction were that much too low (a lower bound: the allocation that failed is not in it).
+        under = peak / predicted if peak > predicted else 1.0
+        fitting = suggest(s, cfg, Machine.of(world_size, gpu_mem_gib / under))
+        fix = (f"nothing fits this layout; `python -m sft.plan --config <this config> --gpus {world_size} "
+               f"--gpu-mem {gpu_mem_gib:.0f}` names one that does" if not fitting else
+               f"set {as_overrides(*fitting)} (or plan.auto: true)" if under == 1.0 else
+               f"the planner under-estimates this model by at least {under:.2f}x: set {as_overrides(*fitting)}, "
+               f"which fits if every prediction is that much too low")
         layout = as_overrides(cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
         return UserError(f"out of GPU memory (this rank's peak {peak:.1f} GiB of {gpu_mem_gib:.0f}; the planner "
                          f"predicted {predicted:.1f} GiB per GPU for {layout}): {fix}")

@@ -10,9 +10,9 @@ from torch import nn
 
 from sft.data.batches import MicroBatches
 from sft.data.masking import IGNORE_INDEX
-from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, log0, to_device
+from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, log0
 from sft.parallel.mesh import ParallelDims
-from sft.training.loss import loss_inputs
+from sft.training.loss import loss_inputs, on_device
 from sft.training.metrics import MetricsLogger, StepMetrics
 
 
@@ -82,7 +82,7 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
             batch["labels"].fill_(IGNORE_INDEX)
         inputs = loss_inputs(batch, dims)
         tokens += len(inputs["target_ids"])
-        ce_sum += model.sft_loss(**{k: to_device(v, env.device) for k, v in inputs.items()}).double()
+        ce_sum += model.sft_loss(**on_device(inputs, env.device)).double()
     model.train()
     total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
     return total_ce / total_tokens

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
-from sft.models.packing import DOCUMENT_ENDS, document_ends
+from sft.models.packing import DOCUMENT_ENDS, DocumentEnds, document_ends
 from sft.parallel.context_parallel import attention_mask, shard_rows
 from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
@@ -127,6 +127,11 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
             "target_rows": sample * targets.shape[1] + position, "target_ids": targets[sample, position], **layout}
 
 
+def on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`loss_inputs` on `device`, but for the document ends: `sft_loss` wants them on the host too."""
+    return {k: v if k == "document_ends" else to_device(v, device) for k, v in inputs.items()}
+
+
 def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
               target_ids: torch.Tensor, document_ends: torch.Tensor | None = None,
               **cp_layout: torch.Tensor) -> torch.Tensor:
@@ -135,7 +140,7 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
     keeps documents apart by their positions."""
     extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
     if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
-        extra[DOCUMENT_ENDS] = document_ends
+        extra[DOCUMENT_ENDS] = DocumentEnds(document_ends, to_device(document_ends, input_ids.device))
     hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
@@ -187,7 +192,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
             model.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
             moe.begin_micro_batch(to_device(micro_batches[i]["real_tokens"], device))
-        loss = model.sft_loss(**{k: to_device(v, device) for k, v in batch.items()})
+        loss = model.sft_loss(**on_device(batch, device))
         if moe:
             moe.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()

@@ -18,6 +18,7 @@ import torch
 from sft import atomic
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
+from sft.models.build import attention_layer_count
 from sft.models.moe import parameters_per_token
 from sft.parallel.mesh import ParallelDims
 
@@ -37,12 +38,12 @@ START_KEYS = ("startup_s", "host_peak_rss_gib_per_rank")
 ALLOCATOR_KEYS = ("peak_reserved_gib", "alloc_retries")
 
 
-def flops_per_token(trained: int, frozen: int, num_layers: int, hidden: int, seq_len: int) -> float:
+def flops_per_token(trained: int, frozen: int, attention_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 per trained parameter for the matmuls with the weights (forward,
     the input's gradient and the weight's), 4 per frozen one (a LoRA run's base: no weight
-    gradient), plus 6*L*s*h for attention scores and values (PaLM's formula; recomputation not
-    counted)."""
-    return 6 * trained + 4 * frozen + 6 * num_layers * seq_len * hidden
+    gradient), plus 6*L*s*h for attention scores and values over the L layers that attend (PaLM's
+    formula; recomputation not counted; a hybrid's recurrent layers add only their weights')."""
+    return 6 * trained + 4 * frozen + 6 * attention_layers * seq_len * hidden
 
 
 def peak_bf16_flops(device: torch.device) -> float | None:
@@ -126,7 +127,7 @@ class StepMetrics:
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
         self.trained, self.frozen = parameters_per_token(model)
         self.moe = moe if moe and moe.blocks else None  # the general path keeps no statistics of ours
-        self.num_layers, self.hidden = text.num_hidden_layers, text.hidden_size
+        self.attention_layers, self.hidden = attention_layer_count(model.config), text.hidden_size
         self.env, self.total_steps, self.tokens_seen = env, total_steps, tokens_seen
         # The ranks of a cp group share each row: each counts its 1/degree of the row's tokens.
         self.row_share = 1 / dims.cp
@@ -158,7 +159,7 @@ class StepMetrics:
         """
         device = self.env.device
         tokens = sum(n for _, n in micro_batches) * self.row_share
-        flops = sum(n * flops_per_token(self.trained, self.frozen, self.num_layers, self.hidden,
+        flops = sum(n * flops_per_token(self.trained, self.frozen, self.attention_layers, self.hidden,
                                         b["input_ids"].shape[1])
                     for b, n in micro_batches) * self.row_share
         counted = to_device(torch.tensor([tokens, flops, float(stop_requested)], dtype=torch.float64), device)

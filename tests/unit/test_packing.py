@@ -62,31 +62,41 @@ def test_best_fit_decreasing_places_every_sample_once():
     assert sum(lengths) / (512 * len(rows)) > 0.98  # rows are nearly full
 
 
-def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     """Qwen3.5's Gated DeltaNet layers (a recurrent state and a short convolution along the row): a
     packed row of three documents, its document ends passed on, gives each document the hidden
     states and gradients it gets alone; without them (what packing did before) the later documents
-    see the earlier ones. Attention keeps them apart by their restarting positions."""
+    see the earlier ones. Attention keeps them apart by their restarting positions. On a GPU the
+    delta rule is flash-linear-attention's varlen kernel (its chunked kernel for each document alone);
+    on the CPU transformers' torch reference, one document at a time."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from helpers import gated_deltanet_model_dir
-    from sft.models.packing import DOCUMENT_ENDS, check_packing, document_ends
+    from sft.models.packing import DOCUMENT_ENDS, DocumentEnds, check_packing, document_ends, fla_delta_rule
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no GPU here (on one, the packed rows take flash-linear-attention's varlen kernel)")
+    if device == "cuda" and fla_delta_rule() is None:
+        pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
     check_packing(model, packing=True)  # puts the document-aware functions in place
     lengths = [7, 70, 5]  # the middle one spans two of the delta rule's 64-token chunks
-    documents = [torch.randint(3, 800, (n,)) for n in lengths]
+    documents = [torch.randint(3, 800, (n,), device=device) for n in lengths]
     decoder = model.get_decoder()
-    alone = [decoder(input_ids=d[None], position_ids=torch.arange(len(d))[None], use_cache=False).last_hidden_state[0]
-             for d in documents]
+    alone = [decoder(input_ids=d[None], position_ids=torch.arange(len(d), device=device)[None],
+                     use_cache=False).last_hidden_state[0] for d in documents]
     row = torch.cat(documents)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ends = document_ends(positions)
-    assert ends.tolist() == [0, 7, 77, 82]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    host = document_ends(positions.cpu())  # from the collate's position ids, on the host
+    assert host.tolist() == [0, 7, 77, 82]
+    ends = DocumentEnds(host, host.to(device))
     packed = decoder(input_ids=row, position_ids=positions, use_cache=False,
                      **{DOCUMENT_ENDS: ends}).last_hidden_state[0]
-    torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-5, atol=1e-5)
+    close = 1e-5 if device == "cpu" else 1e-3  # flash-linear-attention's kernels multiply in TF32
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=close, atol=close)
     mixed = decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state[0]
     assert (mixed[7:] - torch.cat(alone)[7:]).abs().max() > 1e-3  # the state crossed into the next document
     # gradients of the packed row equal the sum over the documents alone
@@ -126,3 +136,45 @@ def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_pat
     check_packing(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), packing=True)
 
 
+
+
+def test_attention_is_counted_over_the_layers_that_attend():
+    """MFU's attention term (6 L s h) counts a hybrid's attention layers only: Qwen3.5-9B attends in
+    8 of its 32 layers (its Gated DeltaNet layers count their weights' FLOPs), Qwen2.5-7B in all 28."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from sft.models.build import attention_layer_count
+    from sft.training.metrics import flops_per_token
+
+    shapes = Path(__file__).resolve().parents[2] / "configs" / "models"
+    hybrid = AutoConfig.from_pretrained(shapes / "qwen3.5-9b")
+    assert attention_layer_count(hybrid) == 8 and hybrid.num_hidden_layers == 32
+    assert attention_layer_count(AutoConfig.from_pretrained(shapes / "qwen2.5-7b")) == 28
+    assert flops_per_token(100, 10, 8, 4096, 4096) == 6 * 100 + 4 * 10 + 6 * 8 * 4096 * 4096
+
+
+def test_a_hybrid_takes_causal_sdpa_and_its_mask_probe_runs_no_layer(tmp_path, monkeypatch):
+    """Qwen3.5 in transformers has SDPA but no flex attention: a config asking for flex gets SDPA (not
+    eager); unpacked rows take the causal kernel without a mask (its Gated DeltaNet layers take none);
+    and the probe of whether its masks keep packed documents apart stops at the masks: no layer runs
+    on its meta tensors (on a GPU, flash-linear-attention's kernels would read meta pointers and
+    fault the device)."""
+    import sys
+
+    from transformers import AutoConfig
+
+    from helpers import gated_deltanet_model_dir
+    from sft.config import ModelConfig
+    from sft.models.build import build_meta_model, runnable_attention, use_causal_sdpa
+    from sft.models.packing import builds_document_masks
+
+    assert runnable_attention(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)), "flex_attention") == "sdpa"
+    hybrid = build_meta_model(ModelConfig(name_or_path=str(gated_deltanet_model_dir(tmp_path))))
+    modeling = sys.modules[type(hybrid).__module__]
+    ran = []
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", lambda *a, **k: ran.append("conv"))
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", lambda *a, **k: ran.append("delta rule"))
+    assert builds_document_masks(hybrid) and ran == []
+    assert use_causal_sdpa(hybrid, packing=False)
