@@ -70,6 +70,17 @@
 #   lora30b   issue #46, one GPU: the whole Qwen3-30B-A3B with LoRA on the attention and every routed expert
 #             (plan.auto; mb 2 ac 1), then the peer (TRL + peft target_parameters, the same adapters) at PEER_BS rows
 #   qlora30b  issue #46, one GPU: the same with QLoRA's NF4 base (experts too): plan.auto for an 80 GB card, mb 2 ac 1
+#   qwen35    issue #45, for 2 GPUs: Qwen3.5 of 9B shapes (configs/models/qwen3.5-9b: transformers' qwen3_5_text
+#             defaults, a Gated DeltaNet hybrid), random init, flash-linear-attention's kernels: each layer kind's kept
+#             bytes per token (scripts/bench_block_memory.py at 9B and 27B widths; PROBE=0 skips), then P-7B rows
+#             (ac 1; plan.auto) and V-7B packed rows (ac 1; plan.auto), plan.auto in bf16 and float8 tensorwise
+#             (ONLY=regex picks)
+#   qwen35peer  the peer on that model, same GPUs (PEER_DIR: a copy of the peer's scripts): TRL + Liger on P-7B
+#             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2")
+#   qwen35big issue #45, for 2 x H200: the largest dense Qwen3.5 shapes (configs/models/qwen3.5-27b) on P-7B rows,
+#             plan.auto with lean state allowed
+#   Qwen3.5 needs fla-core, and on Hopper tilelang (Triton < 3.7.1 computes one of fla's backward kernels wrongly
+#   there): tilelang and z3 are too large to carry as wheels, so they travel unpacked in .whl/*.tar.xz (below)
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
@@ -80,8 +91,11 @@ cd "$(dirname "$0")/.."
 if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/, installed once per set of wheels
   # (two invocations may run side by side on disjoint GPUs: run one stage first, e.g. `info`)
   wheels=$(ls .whl)
+  # .whl/*.tar.xz: site folders (packages unpacked as pip installs them), for packages whose wheels are too large
+  # for a carry: made with `tar -cJf .whl/NAME.tar.xz -C DIR .` of a folder the wheels were unzipped into
   [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$wheels" ] || { python3 -m pip install -q --no-index --no-deps \
-    --no-compile --upgrade --target /tmp/site .whl/*.whl && echo "$wheels" > /tmp/site/.installed; }
+    --no-compile --upgrade --target /tmp/site .whl/*.whl && for t in .whl/*.tar.xz; do
+    [ ! -f "$t" ] || tar -xJf "$t" -C /tmp/site || exit 1; done && echo "$wheels" > /tmp/site/.installed; }
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -610,6 +624,39 @@ lora.target_modules=[all-linear,experts] optim.lr=2e-4 lora.base=nf4"
       ac_runs qlora30b <<RUNS
 qlora30b-auto80 $Q30B plan.auto=true plan.gpu_mem_gib=80
 qlora30b-mb2-ac1 $Q30B train.micro_batch_size=2 ac.ratio=1
+RUNS
+      ;;
+    qwen35)
+      python3 -c "import fla, tilelang" || { echo "qwen35 needs fla-core and tilelang (see above)"; exit 1; }
+      if [ "${PROBE:-1}" = 1 ]; then
+        for shapes in qwen3.5-9b qwen3.5-27b; do
+          timeout 300 python3 scripts/bench_block_memory.py configs/models/$shapes --modes ${PROBE_MODES:-eager compiled} \
+            2>"$LOGS/layers-$shapes.log"
+        done | tee runs/bench/qwen35-layers.jsonl
+      fi
+      p7b_data
+      python3 scripts/synthetic_tokens.py --out data/bench/v7b.parquet --samples 4000 --lognormal 600 0.8
+      Q35="model.name_or_path=configs/models/qwen3.5-9b"
+      PACKED="data.packing=true train.micro_batch_size=2"  # sdpa: Qwen3.5 has no flex attention in transformers 5.17
+      ac_runs qwen35 <<RUNS
+qwen35-p7b-ac1          configs/bench/p7b.yaml $Q35 ac.ratio=1
+qwen35-v7b-packed-ac1   configs/bench/v7b.yaml $Q35 $PACKED ac.ratio=1
+qwen35-p7b-auto         configs/bench/p7b.yaml $Q35 plan.auto=true
+qwen35-v7b-packed-auto  configs/bench/v7b.yaml $Q35 $PACKED plan.auto=true
+qwen35-p7bf8-auto       configs/bench/p7b.yaml $Q35 plan.auto=true precision.float8=tensorwise
+qwen35-v7bf8-packed-auto configs/bench/v7b.yaml $Q35 $PACKED plan.auto=true precision.float8=tensorwise
+RUNS
+      ;;
+    qwen35peer)
+      python3 -c "import fla, tilelang, liger_kernel" || { echo "qwen35peer needs fla-core, tilelang, liger_kernel"; exit 1; }
+      OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARIANTS:-noac_liger liger} \
+        bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/qwen35.md
+      OUT=$LOGS/peer MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
+        bash "$PEER_DIR/run_trl_varlen.sh" | tee -a runs/bench/qwen35.md ;;
+    qwen35big)
+      p7b_data
+      ac_runs qwen35big <<RUNS
+qwen35-27b-auto configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3.5-27b plan.auto=true plan.allow_lean_state=true
 RUNS
       ;;
     qlora72b)

@@ -24,6 +24,9 @@ weights are all experts' (FSDP gathers whole blocks). Under expert parallelism t
 eagerly, and keep what their activation saves (counted by running it: gpt-oss's clamped SwiGLU
 keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
 (docs/BENCHMARKS.md, issue #36) are within 10%.
+Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) keep far more in their linear-attention blocks than in
+their attention blocks: each kind is counted as measured per block on an H200 (delta_layer_bytes;
+docs/BENCHMARKS.md, issue #45), not yet checked against a whole run's peak.
 With precision.float8 (full fine-tuning) the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
@@ -121,6 +124,11 @@ class Shapes:
     eager_expert_widths: int = 0  # what eager experts keep per routed row (sft/models/moe.py:eager_expert_widths)
     context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
     attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
+    gated_attention: bool = False  # q_proj also makes a gate for attention's output (Qwen3.5, Qwen3-Next)
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): how many layers are Gated DeltaNet, their value width
+    # (linear_num_value_heads x linear_value_head_dim)
+    delta_layers: int = 0
+    delta_value_dim: int = 0
     # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
     # whether the lm_head trains; QLoRA: the base weights stored in NF4 (in all, in one block: whole
     # on every rank) and the largest of them (dequantised to bf16 one matrix at a time).
@@ -171,12 +179,16 @@ class Shapes:
         experts, top_k, expert_ffn = expert_shape(model) or (0, 0, 0)
         ffn = top_k * expert_ffn if experts else text.intermediate_size
         block_experts = sum(p.numel() for n, p in largest.named_parameters() if ".experts." in n)
+        q_out = max((m.out_features for n, m in model.named_modules() if n.endswith("self_attn.q_proj")), default=0)
+        delta_layers = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or [])
+        delta_value_dim = getattr(text, "linear_num_value_heads", 0) * getattr(text, "linear_value_head_dim", 0)
         return cls(params, block, params - sum(sizes), text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
                    block_experts, eager_expert_widths(model), cp_unsupported(model, moe=experts > 0) is None,
-                   text.num_attention_heads * head_dim)
+                   text.num_attention_heads * head_dim, q_out == 2 * text.num_attention_heads * head_dim,
+                   delta_layers if delta_value_dim else 0, delta_value_dim)
 
 
 def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
@@ -188,6 +200,29 @@ def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
     if not s.experts:
         return 0
     return 2 * (3 + (2 if ep > 1 else 0)) * s.top_k * s.hidden + 4 * (s.hidden + 2 * s.experts)
+
+
+# Measured on an H200 (docs/BENCHMARKS.md, issue #45; scripts/bench_block_memory.py, compiled blocks,
+# flash-linear-attention 0.6.0, transformers 5.17): a Qwen3.5 Gated DeltaNet block keeps 1.01 MB per token
+# at 9B widths and 1.49 MB at 27B's, a dense block's norms and MLP and 218 bytes per value channel (the
+# mixer's projections, short convolution, expanded q and k, the delta rule's saved inputs and its gated
+# norm); an attention block whose q_proj also makes an output gate keeps 8.6 bytes per q channel more
+# than a plain one (154 and 213 KB against the plain block's 119 and 160).
+DELTA_BYTES_PER_VALUE_CHANNEL = 218
+GATE_BYTES_PER_Q_CHANNEL = 8.6
+
+
+def delta_layer_bytes(s: Shapes, attention_layer: float) -> tuple[float, float]:
+    """(the mean, the largest) bytes per token a block keeps, of a hybrid's Gated DeltaNet blocks and
+    its `attention_layer` blocks (a model without Gated DeltaNet: `attention_layer` for both)."""
+    if s.gated_attention:
+        attention_layer += GATE_BYTES_PER_Q_CHANNEL * s.q_dim
+    if not s.delta_layers:
+        return attention_layer, attention_layer
+    delta_layer = attention_layer - 2 * 2 * s.kv_dim - GATE_BYTES_PER_Q_CHANNEL * s.q_dim * s.gated_attention \
+        + DELTA_BYTES_PER_VALUE_CHANNEL * s.delta_value_dim
+    mean = (s.delta_layers * delta_layer + (s.layers - s.delta_layers) * attention_layer) / s.layers
+    return mean, max(delta_layer, attention_layer)
 
 
 def _largest_block(model: nn.Module) -> nn.Module:
@@ -224,6 +259,10 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     per_token_layer += moe_bytes_per_token(s, ep)
     if ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
         per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
+    # A Gated DeltaNet block and an attention block of a hybrid keep different amounts: the blocks not
+    # checkpointed keep their mean (checkpointing is spread over depth as the kinds are), the block
+    # recomputed or in backward the larger.
+    mean_layer, largest_layer = delta_layer_bytes(s, per_token_layer)
     checkpointed = len(ac_block_indices(s.layers, ac_ratio))
     # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     gathered_kv = 2 * 2 * s.kv_dim
@@ -235,10 +274,10 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
         # GPU's share), which ac.mode=attention does not; counted here as kept per block.
         kept += cp * gathered_kv
-    activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * per_token_layer)
+    activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * mean_layer)
     if checkpointed:
         # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
-        activations += tokens * (per_token_layer if ac_mode == "blocks" else max(0, per_token_layer - kept))
+        activations += tokens * (largest_layer if ac_mode == "blocks" else max(0, largest_layer - kept))
     rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     # one chunk of float32 logits and its gradient, the lm_head's float32 gradient (when it trains),
     # the hidden states and their gradient
@@ -261,7 +300,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # in the reduce dtype, for the reduce-scatter
     unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_trained_expert_params * (1 - 1 / ep))
     end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
-    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * per_token_layer)
+    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * largest_layer)
     return max(end_of_forward, end_of_backward)
 
 

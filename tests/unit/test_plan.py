@@ -587,3 +587,60 @@ def test_out_of_gpu_memory_is_one_line_with_the_planner_s_prediction_and_a_setti
     assert err.startswith("error: out of GPU memory (this rank's peak ")
     assert "the planner predicted" in err and "GiB per GPU for ac.ratio=0 ac.mode=blocks train.micro_batch_size=4" in err
     assert "): set ac.ratio=" in err and "(or plan.auto: true)" in err
+
+
+# Bytes per token one block keeps, measured on an H200 (scripts/bench_block_memory.py, compiled blocks,
+# flash-linear-attention 0.6.0; docs/BENCHMARKS.md, issue #45): (shapes, layer kind, measured).
+HYBRID_LAYERS = [("qwen3.5-9b", "linear_attention", 1011864), ("qwen3.5-9b", "full_attention", 153752),
+                 ("qwen3.5-27b", "linear_attention", 1489465), ("qwen3.5-27b", "full_attention", 213208)]
+
+
+@pytest.mark.parametrize("name, kind, measured", HYBRID_LAYERS, ids=lambda x: str(x))
+def test_a_hybrid_s_blocks_are_planned_as_measured(name, kind, measured):
+    """Qwen3.5's Gated DeltaNet blocks keep several times what its attention blocks keep (whose q_proj
+    also makes an output gate): each kind within 5% of its measured bytes per token."""
+    from sft.plan.memory import delta_layer_bytes
+
+    s = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models" / name))))
+    assert s.gated_attention and s.delta_layers == 3 * s.layers // 4
+    plain = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)  # the compiled bytes of a plain attention block
+    mean, largest = delta_layer_bytes(s, plain)
+    attention = (s.layers * mean - s.delta_layers * largest) / (s.layers - s.delta_layers)
+    predicted = largest if kind == "linear_attention" else attention
+    assert predicted == pytest.approx(measured, rel=0.05)
+    # the 9B at micro-batch 2 without checkpointing ran out of memory on 2 x H200 (136.4 GiB allocated;
+    # predicted 93.5 GiB before the hybrid's blocks were modelled): now it does not fit
+    if name == "qwen3.5-9b":
+        assert peak_bytes(s, 2, 8192, 4096, 0.0, True) / GIB > 140
+
+
+def test_out_of_memory_above_the_prediction_suggests_a_setting_with_that_much_room(tmp_path, capsys, monkeypatch):
+    """Where the rank held more than the planner predicted when it ran out (plan.auto's own choice, on a
+    model the planner under-estimates), the line does not name that setting again: it names one that
+    fits if every prediction is as much too low, and says by how much the planner was off."""
+    import torch
+
+    from sft.config import load_config
+    from sft.errors import run_command
+    from sft.plan import explain_out_of_memory, predict_gib
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "ac.ratio=0.5"])
+    s = Shapes.of(build_meta_model(cfg.model))
+    predicted = predict_gib(s, cfg, 2, 2, 0.5, "blocks")
+    assert predicted < 0.9 * 80  # the planner says it fits: plan.auto could have chosen it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1.15 * predicted * GIB)
+
+    def main() -> int:
+        explain_out_of_memory(cfg, 2, 80.0)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with pytest.raises(SystemExit):
+        run_command(main)
+    err = capsys.readouterr().err
+    assert "the planner under-estimates this model by at least 1.15x: set ac.ratio=" in err
+    ratio, mode, micro_batch = (err.split("set ac.ratio=")[1].split(" train.grad_accum_steps")[0]
+                                .replace("ac.mode=", "").replace("train.micro_batch_size=", "").split())
+    assert 1.15 * predict_gib(s, cfg, 2, int(micro_batch), float(ratio), mode) <= 0.9 * 80
