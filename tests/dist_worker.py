@@ -26,7 +26,7 @@ from sft.data.collate import collate, collate_packed
 from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, FSDPConfig, LoRAConfig, MoEConfig,
                         ModelConfig, OptimConfig, PrecisionConfig)
 from sft.distributed import all_reduce_sum, init_distributed, local_part
-from sft.training.loss import forward_backward, loss_inputs
+from sft.training.loss import forward_backward, loss_inputs, on_device
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.models.weights import initial_weights, load_weights
 from sft.models.nf4 import is_nf4
@@ -313,7 +313,7 @@ def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
         row.append({"input_ids": last, "labels": [-100] + last[1:]})
         batch = collate_packed([row], 0, sum(len(s["input_ids"]) for s in row))
         with torch.no_grad():
-            ce = model.sft_loss(**{k: v.to(env.device) for k, v in loss_inputs(batch, dims).items()})
+            ce = model.sft_loss(**on_device(loss_inputs(batch, dims), env.device))
         return all_reduce_sum([ce.item()], env.device)[0].item()
 
     g = torch.Generator().manual_seed(1)

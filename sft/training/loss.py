@@ -105,10 +105,11 @@ class LinearCrossEntropy(torch.autograd.Function):
                 None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None, None)
 
 
-def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None) -> dict[str, torch.Tensor]:
+def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None) -> dict:
     """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
     predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token;
-    with context parallelism (`dims`), for this rank's share of each row, plus the attention layout.
+    with context parallelism (`dims`), for this rank's share of each row, plus the attention layout;
+    for packed rows, the documents' ends (ints).
 
     Selecting them with a boolean mask on the GPU would make the host wait for the forward pass
     every micro-batch (the result's size depends on the data); on the host it costs nothing.
@@ -120,27 +121,29 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
     if dims is not None and dims.cp_enabled:
         rows, layout = shard_rows(rows, dims)  # targets shifted on the whole row, then split
     elif (ends := document_ends(rows["position_ids"])) is not None:  # packed: for layers that carry state
-        layout = {"document_ends": ends}
+        layout = {"document_ends": tuple(ends.tolist())}  # ints: see on_device
     targets = rows["targets"]
     sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     return {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"],
             "target_rows": sample * targets.shape[1] + position, "target_ids": targets[sample, position], **layout}
 
 
-def on_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """`loss_inputs` on `device`, but for the document ends: `sft_loss` wants them on the host too."""
-    return {k: v if k == "document_ends" else to_device(v, device) for k, v in inputs.items()}
+def on_device(inputs: dict, device: torch.device) -> dict:
+    """`loss_inputs`' tensors on `device`. The document ends stay ints: `sft_loss` wants them on the
+    host as well, and FSDP copies a host tensor it is handed to the GPU with a copy that waits for it."""
+    return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
-              target_ids: torch.Tensor, document_ends: torch.Tensor | None = None,
+              target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
               **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
     document ends reach the layers that carry state (sft/models/packing.py); attention
     keeps documents apart by their positions."""
     extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
     if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
-        extra[DOCUMENT_ENDS] = DocumentEnds(document_ends, to_device(document_ends, input_ids.device))
+        on_host = torch.tensor(document_ends)
+        extra[DOCUMENT_ENDS] = DocumentEnds(on_host, to_device(on_host, input_ids.device))
     hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
     args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
