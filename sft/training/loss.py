@@ -36,9 +36,12 @@ from sft.parallel.mesh import ParallelDims
 class Logits:
     """What a model's head does to hidden @ lm_head.T before the softmax (transformers' forward of
     its causal-LM class): a scale (Cohere's logit_scale; Granite's and MiniCPM3's 1 / logits_scaling;
-    Falcon-H1's lm_head_multiplier) and Gemma-2's soft cap, cap * tanh(logits / cap)."""
+    Falcon-H1's lm_head_multiplier; Inkling's 1 / logits_mup_width_multiplier), Gemma-2's soft cap,
+    cap * tanh(logits / cap), and the logits the softmax runs over (Inkling's unpadded_vocab_size:
+    the first `vocab` rows of lm_head; None: all)."""
     scale: float = 1.0
     cap: float | None = None
+    vocab: int | None = None
 
     @classmethod
     def of(cls, config) -> Logits:
@@ -48,7 +51,8 @@ class Logits:
             value = getattr(text, name, None)
             return default if value is None else value
         return cls(key("logit_scale", 1.0) * key("lm_head_multiplier", 1.0) * key("output_multiplier", 1.0)
-                   / key("logits_scaling", 1.0), key("final_logit_softcapping", None) or None)
+                   / key("logits_scaling", 1.0) / key("logits_mup_width_multiplier", 1.0),
+                   key("final_logit_softcapping", None) or None, key("unpadded_vocab_size", None))
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_hidden: bool,
@@ -146,7 +150,10 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
         extra[DOCUMENT_ENDS] = DocumentEnds(on_host, to_device(on_host, input_ids.device))
     hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
-    args = (hidden.flatten(0, 1).index_select(0, target_rows), self.get_output_embeddings().weight, target_ids)
+    weight = self.get_output_embeddings().weight
+    if self.sft_logits.vocab is not None:
+        weight = weight[: self.sft_logits.vocab]
+    args = (hidden.flatten(0, 1).index_select(0, target_rows), weight, target_ids)
     if torch.is_grad_enabled():
         return LinearCrossEntropy.apply(*args, self.sft_logits)
     return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=self.sft_logits)[0]

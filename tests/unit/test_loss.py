@@ -104,3 +104,32 @@ def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(mo
     sliding = build_meta_model(ModelConfig(name_or_path=DEMO_MODEL))
     sliding.config.layer_types = ["sliding_attention"] + sliding.config.layer_types[1:]
     assert not use_causal_sdpa(sliding, packing=False) and sliding.config._attn_implementation == "sdpa"
+
+
+def test_the_head_scales_and_truncates_the_logits_as_the_model_s_forward_does():
+    """Inkling's forward divides the hidden states by logits_mup_width_multiplier and takes the softmax
+    over its first unpadded_vocab_size logits: our fused loss equals the next-token loss of its logits,
+    gradients of lm_head included (its padding rows get none)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import TINY, tiny_config
+    from sft.training.loss import attach_sft_loss, loss_inputs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("inkling_text", unpadded_vocab_size=TINY["vocab_size"] - 9,
+                                                         logits_mup_width_multiplier=3.0))
+    attach_sft_loss(model)
+    ids = torch.randint(3, TINY["vocab_size"] - 9, (2, 24))
+    batch = {"input_ids": ids, "position_ids": torch.arange(24).expand(2, 24), "labels": ids.clone()}
+    inputs = loss_inputs(batch)
+    ours = model.sft_loss(**inputs) / len(inputs["target_ids"])
+    ours.backward()
+    grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    assert logits.shape[-1] == TINY["vocab_size"] - 9 < model.lm_head.weight.shape[0]
+    theirs = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    theirs.backward()
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    assert grad[-9:].abs().max() == 0
