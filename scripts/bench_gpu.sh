@@ -93,8 +93,8 @@ if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/,
   wheels=$(ls .whl)
   # .whl/*.tar.xz: site folders (packages unpacked as pip installs them), for packages whose wheels are too large
   # for a carry: made with `tar -cJf .whl/NAME.tar.xz -C DIR .` of a folder the wheels were unzipped into
-  [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$wheels" ] || { python3 -m pip install -q --no-index --no-deps \
-    --no-compile --upgrade --target /tmp/site .whl/*.whl && for t in .whl/*.tar.xz; do
+  [ "$(cat /tmp/site/.installed 2>/dev/null)" = "$wheels" ] || { { ! ls .whl/*.whl >/dev/null 2>&1 || python3 -m pip \
+    install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl; } && for t in .whl/*.tar.xz; do
     [ ! -f "$t" ] || tar -xJf "$t" -C /tmp/site || exit 1; done && echo "$wheels" > /tmp/site/.installed; }
   export PYTHONPATH=/tmp/site
 fi
@@ -651,7 +651,7 @@ RUNS
       python3 -c "import fla, tilelang, liger_kernel" || { echo "qwen35peer needs fla-core, tilelang, liger_kernel"; exit 1; }
       OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARIANTS:-noac_liger liger} \
         bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/qwen35.md
-      OUT=$LOGS/peer MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
+      OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
         bash "$PEER_DIR/run_trl_varlen.sh" | tee -a runs/bench/qwen35.md ;;
     qwen35big)
       p7b_data

@@ -22,7 +22,7 @@ from sft.data.collate import collate
 from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.models.float8 import fuse_weight_casts, precompute_scales_after_each_step
-from sft.training.loss import forward_backward, loss_inputs
+from sft.training.loss import forward_backward, loss_inputs, on_device
 from sft.models.build import clean_name, load_tokenizer
 from sft.models.weights import initial_weights, load_weights
 from sft.training.optim import build_optimizer, build_scheduler
@@ -47,7 +47,7 @@ def build(model_cfg: ModelConfig, recipe: str, env, dims) -> tuple[torch.nn.Modu
 @torch.no_grad()
 def loss_at_current_weights(model: torch.nn.Module, batch: dict, env) -> float:
     inputs = loss_inputs(batch)
-    ce = model.sft_loss(**{k: v.to(env.device) for k, v in inputs.items()}).double()
+    ce = model.sft_loss(**on_device(inputs, env.device)).double()
     ce, n = all_reduce_sum([ce.item(), len(inputs["target_ids"])], env.device).tolist()
     return ce / n
 

@@ -167,16 +167,18 @@ def use_causal_sdpa(model: PreTrainedModel, packing: bool) -> bool:
     return True
 
 
-# Layer kinds (config.layer_types, as transformers names them) that attend over the row.
-ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+# Layer kinds (config.layer_types, as transformers names them) that do not attend: a hybrid's
+# recurrent or convolutional layers (Gated DeltaNet and Mamba mixers are "linear_attention"), and
+# Nemotron-H's MLP and MoE layers. Every other kind attends (Falcon-H1's "hybrid" layers, DeepSeek-V3.2's
+# "indexed_attention", ...).
+NON_ATTENDING_LAYERS = frozenset({"linear_attention", "conv", "mamba", "recurrent", "mlp", "moe"})
 
 
 def attention_layer_count(config: PretrainedConfig) -> int:
-    """How many layers attend: a hybrid's recurrent layers (Gated DeltaNet, Mamba) do not; a config
-    without layer_types attends in every layer."""
+    """How many layers attend (a config without layer_types attends in every layer)."""
     text = config.get_text_config()
     kinds = getattr(text, "layer_types", None)
-    return sum(kind in ATTENTION_LAYERS for kind in kinds) if kinds else text.num_hidden_layers
+    return sum(kind not in NON_ATTENDING_LAYERS for kind in kinds) if kinds else text.num_hidden_layers
 
 
 def attends_fully(model: PreTrainedModel) -> bool:
@@ -184,7 +186,7 @@ def attends_fully(model: PreTrainedModel) -> bool:
     window, no soft cap of the attention logits (a hybrid's recurrent layers take no mask). Masks,
     causal-only kernels and context parallelism rely on it."""
     config = model.config.get_text_config()
-    attending = set(getattr(config, "layer_types", None) or ["full_attention"]) & ATTENTION_LAYERS
+    attending = set(getattr(config, "layer_types", None) or ["full_attention"]) - NON_ATTENDING_LAYERS
     return (attending <= {"full_attention"} and not getattr(config, "sliding_window", None)
             and not getattr(config, "attn_logit_softcapping", None))
 

@@ -41,11 +41,11 @@ from transformers import PreTrainedModel, masking_utils
 from transformers.activations import ACT2FN
 
 from sft.errors import UserError
-from sft.models.build import ATTENTION_LAYERS, attends_fully, decoder
+from sft.models.build import attends_fully, decoder
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
-STATELESS_LAYERS = ATTENTION_LAYERS | {"mlp", "moe"}
+STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
 # Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
                     "DeltaAttention", "Rglru")
@@ -157,7 +157,7 @@ def enable_exact_packing(model: PreTrainedModel) -> None:
 
 def document_ends(position_ids: torch.Tensor) -> torch.Tensor | None:
     """The cumulative ends of the documents of rows [B, T] flattened into one sequence (int64, as
-    varlen kernels take them: [0, end_1, ..., B*T]); positions restart at 0 with every document.
+    flash-linear-attention takes them: [0, end_1, ..., B*T]); positions restart at 0 with every document.
     None for rows of one document each (nothing to keep apart). On the host: no GPU sync."""
     starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
     if len(starts) == position_ids.shape[0]:

@@ -25,8 +25,10 @@ eagerly, and keep what their activation saves (counted by running it: gpt-oss's 
 keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
 (docs/BENCHMARKS.md, issue #36) are within 10%.
 Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) keep far more in their linear-attention blocks than in
-their attention blocks: each kind is counted as measured per block on an H200 (delta_layer_bytes;
-docs/BENCHMARKS.md, issue #45), not yet checked against a whole run's peak.
+their attention blocks: each block is counted by its kind, as measured on an H200 (layer_bytes_by_kind;
+docs/BENCHMARKS.md, issue #45), not yet checked against a whole run's peak; op-level checkpointing
+(ac.mode ops, ops_half, attention) is not modelled for Gated DeltaNet blocks, and plan.auto does not
+choose it for them.
 With precision.float8 (full fine-tuning) the inputs of the block's Linear layers (3 h + ffn values) are saved as
 float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
 matmuls and attention produce, all or every second matmul with ops_half, attention's only with
@@ -125,9 +127,9 @@ class Shapes:
     context_parallel: bool = True  # whether rows can be split (sft/parallel/context_parallel.py:unsupported)
     attention_dim: int = 0  # heads x head_dim: q and attention's output (0: hidden, as in Llama/Qwen2.5)
     gated_attention: bool = False  # q_proj also makes a gate for attention's output (Qwen3.5, Qwen3-Next)
-    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): how many layers are Gated DeltaNet, their value width
-    # (linear_num_value_heads x linear_value_head_dim)
-    delta_layers: int = 0
+    # Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): which blocks are Gated DeltaNet (0-based), their value
+    # width (linear_num_value_heads x linear_value_head_dim)
+    delta_blocks: tuple[int, ...] = ()
     delta_value_dim: int = 0
     # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
     # whether the lm_head trains; QLoRA: the base weights stored in NF4 (in all, in one block: whole
@@ -180,7 +182,8 @@ class Shapes:
         ffn = top_k * expert_ffn if experts else text.intermediate_size
         block_experts = sum(p.numel() for n, p in largest.named_parameters() if ".experts." in n)
         q_out = max((m.out_features for n, m in model.named_modules() if n.endswith("self_attn.q_proj")), default=0)
-        delta_layers = sum(kind == "linear_attention" for kind in getattr(text, "layer_types", None) or [])
+        delta_blocks = tuple(i for i, kind in enumerate(getattr(text, "layer_types", None) or [])
+                             if kind == "linear_attention")
         delta_value_dim = getattr(text, "linear_num_value_heads", 0) * getattr(text, "linear_value_head_dim", 0)
         return cls(params, block, params - sum(sizes), text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
@@ -188,7 +191,7 @@ class Shapes:
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
                    block_experts, eager_expert_widths(model), cp_unsupported(model, moe=experts > 0) is None,
                    text.num_attention_heads * head_dim, q_out == 2 * text.num_attention_heads * head_dim,
-                   delta_layers if delta_value_dim else 0, delta_value_dim)
+                   delta_blocks if delta_value_dim else (), delta_value_dim)
 
 
 def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
@@ -212,17 +215,15 @@ DELTA_BYTES_PER_VALUE_CHANNEL = 218
 GATE_BYTES_PER_Q_CHANNEL = 8.6
 
 
-def delta_layer_bytes(s: Shapes, attention_layer: float) -> tuple[float, float]:
-    """(the mean, the largest) bytes per token a block keeps, of a hybrid's Gated DeltaNet blocks and
-    its `attention_layer` blocks (a model without Gated DeltaNet: `attention_layer` for both)."""
-    if s.gated_attention:
-        attention_layer += GATE_BYTES_PER_Q_CHANNEL * s.q_dim
-    if not s.delta_layers:
-        return attention_layer, attention_layer
-    delta_layer = attention_layer - 2 * 2 * s.kv_dim - GATE_BYTES_PER_Q_CHANNEL * s.q_dim * s.gated_attention \
-        + DELTA_BYTES_PER_VALUE_CHANNEL * s.delta_value_dim
-    mean = (s.delta_layers * delta_layer + (s.layers - s.delta_layers) * attention_layer) / s.layers
-    return mean, max(delta_layer, attention_layer)
+def layer_bytes_by_kind(s: Shapes, plain_block: float) -> tuple[float, float]:
+    """Bytes per token (an attention block, a Gated DeltaNet block) keeps, from what a plain attention
+    block of these widths keeps (`plain_block`): the attention block's output gate added where its
+    q_proj makes one; a Gated DeltaNet block has the same norms and MLP, the Gated DeltaNet mixer in
+    place of attention (0 for a model without Gated DeltaNet blocks)."""
+    gate = GATE_BYTES_PER_Q_CHANNEL * s.q_dim if s.gated_attention else 0
+    if not s.delta_blocks:
+        return plain_block + gate, 0
+    return plain_block + gate, plain_block - 2 * 2 * s.kv_dim + DELTA_BYTES_PER_VALUE_CHANNEL * s.delta_value_dim
 
 
 def _largest_block(model: nn.Module) -> nn.Module:
@@ -259,11 +260,12 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     per_token_layer += moe_bytes_per_token(s, ep)
     if ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
         per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
-    # A Gated DeltaNet block and an attention block of a hybrid keep different amounts: the blocks not
-    # checkpointed keep their mean (checkpointing is spread over depth as the kinds are), the block
-    # recomputed or in backward the larger.
-    mean_layer, largest_layer = delta_layer_bytes(s, per_token_layer)
-    checkpointed = len(ac_block_indices(s.layers, ac_ratio))
+    # A hybrid's Gated DeltaNet and attention blocks keep different amounts: each block not checkpointed
+    # keeps its kind's, the block recomputed the largest of the checkpointed ones' kinds.
+    attention_layer, delta_layer = layer_bytes_by_kind(s, per_token_layer)
+    layer_bytes = [delta_layer if i in s.delta_blocks else attention_layer for i in range(s.layers)]
+    checkpointed_blocks = set(ac_block_indices(s.layers, ac_ratio))
+    checkpointed = len(checkpointed_blocks)
     # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     gathered_kv = 2 * 2 * s.kv_dim
     per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
@@ -274,10 +276,12 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
         # GPU's share), which ac.mode=attention does not; counted here as kept per block.
         kept += cp * gathered_kv
-    activations = tokens * (checkpointed * kept + (s.layers - checkpointed) * mean_layer)
+    kept_whole = sum(b for i, b in enumerate(layer_bytes) if i not in checkpointed_blocks)
+    activations = tokens * (checkpointed * kept + kept_whole)
     if checkpointed:
         # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
-        activations += tokens * (largest_layer if ac_mode == "blocks" else max(0, largest_layer - kept))
+        recomputed = max(layer_bytes[i] for i in checkpointed_blocks)
+        activations += tokens * (recomputed if ac_mode == "blocks" else max(0, recomputed - kept))
     rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     # one chunk of float32 logits and its gradient, the lm_head's float32 gradient (when it trains),
     # the hidden states and their gradient
@@ -300,7 +304,7 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # in the reduce dtype, for the reduce-scatter
     unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_trained_expert_params * (1 - 1 / ep))
     end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
-    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * largest_layer)
+    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * max(layer_bytes))
     return max(end_of_forward, end_of_backward)
 
 

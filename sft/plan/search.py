@@ -40,14 +40,17 @@ def ac_label(ac_ratio: float, ac_mode: str) -> str:
     return f"ac {ac_ratio:g}" + (f" {ac_mode}" if ac_mode != "blocks" else "")
 
 
-def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] | None:
+def suggest(s: Shapes, cfg: Config, m: Machine, failed: tuple[float, str, int] | None = None
+            ) -> tuple[float, str, int, int] | None:
     """(ac.ratio, ac.mode, micro_batch_size, grad_accum_steps) that fits and keeps the global batch:
     settings at the configured micro-batch or a larger one first (a smaller one adds grad-acc
     steps, each with its own all-gathers and reduce-scatters, which recomputation does not weigh),
     then the least recomputation (recompute_cost; on 2 x H100, P-7B bf16, each whole block rerun
     cost 0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one),
-    then whole blocks before op-level modes. None if nothing fits the GPUs, or, with
-    fsdp.cpu_offload, the host (no setting here changes that)."""
+    then whole blocks before op-level modes. Never `failed` (ac.ratio, ac.mode, micro-batch: a setting
+    that ran out of memory), nor op-level modes for Gated DeltaNet hybrids (not modelled for their
+    blocks). None if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here
+    changes that)."""
     if host_problem(s, cfg, m):
         return None
     dims = ParallelDims.of(cfg, m.gpus)
@@ -56,7 +59,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine) -> tuple[float, str, int, int] |
     fits = [(micro < cfg.train.micro_batch_size, recompute_cost(s, cfg.data.max_seq_len, ratio, mode), -micro,
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
-            if global_batch % (micro * data_parallel) == 0 and predict_fit(s, cfg, m, micro, ratio, mode)[1]]
+            if global_batch % (micro * data_parallel) == 0 and (ratio, mode, micro) != failed
+            and (mode == "blocks" or not s.delta_blocks) and predict_fit(s, cfg, m, micro, ratio, mode)[1]]
     if not fits:
         return None
     *_, micro, _, ratio, mode = min(fits)
@@ -168,9 +172,10 @@ def explain_out_of_memory(cfg: Config, world_size: int, gpu_mem_gib: float) -> N
         # Where this rank held more than predicted, the planner under-estimates this model: plan as if
         # every prediction were that much too low (a lower bound: the allocation that failed is not in it).
         under = peak / predicted if peak > predicted else 1.0
-        fitting = suggest(s, cfg, Machine.of(world_size, gpu_mem_gib / under))
+        failed = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size)
+        fitting = suggest(s, cfg, Machine.of(world_size, gpu_mem_gib / under), failed)
         fix = (f"nothing fits this layout; `python -m sft.plan --config <this config> --gpus {world_size} "
-               f"--gpu-mem {gpu_mem_gib:.0f}` names one that does" if not fitting else
+               f"--gpu-mem {gpu_mem_gib / under:.0f}` names one that does" if not fitting else
                f"set {as_overrides(*fitting)} (or plan.auto: true)" if under == 1.0 else
                f"the planner under-estimates this model by at least {under:.2f}x: set {as_overrides(*fitting)}, "
                f"which fits if every prediction is that much too low")

@@ -109,7 +109,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 None if grad_weight is None else grad_weight * grad_total.to(grad_weight.dtype), None, None)
 
 
-def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None) -> dict:
+def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
+                ) -> dict[str, torch.Tensor | tuple[int, ...]]:
     """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
     predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token;
     with context parallelism (`dims`), for this rank's share of each row, plus the attention layout;
@@ -132,7 +133,8 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
             "target_rows": sample * targets.shape[1] + position, "target_ids": targets[sample, position], **layout}
 
 
-def on_device(inputs: dict, device: torch.device) -> dict:
+def on_device(inputs: dict[str, torch.Tensor | tuple[int, ...]], device: torch.device
+              ) -> dict[str, torch.Tensor | tuple[int, ...]]:
     """`loss_inputs`' tensors on `device`. The document ends stay ints: `sft_loss` wants them on the
     host as well, and FSDP copies a host tensor it is handed to the GPU with a copy that waits for it."""
     return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
