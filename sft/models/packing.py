@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import sys
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ import torch
 from transformers import PreTrainedModel, masking_utils
 from transformers.activations import ACT2FN
 
+from sft.distributed import log0
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
 
@@ -205,6 +207,40 @@ def fla_delta_rule():
         return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
     except ImportError:
         return None
+
+
+def delta_rule_kernel_problem(model_name: str, capability: tuple[int, int], triton_version: str | None,
+                              have_tilelang: bool) -> tuple[str, bool] | None:
+    """What keeps a model's Gated DeltaNet layers from flash-linear-attention's kernels on a GPU of this
+    compute `capability`, as (one line, whether it stops the run), or None. Without fla
+    (`triton_version` None: fla is not importable) transformers runs its torch reference: slow, and
+    packed rows one document at a time. fla itself refuses Triton 3.4.0 to 3.7.0 on Hopper without
+    tilelang (one of its backward kernels computes wrongly there), at the first backward: here it
+    stops before the model is built."""
+    if triton_version is None:
+        return (f"{model_name}'s Gated DeltaNet layers run transformers' torch reference, which is slow (and runs "
+                "packed rows one document at a time): pip install flash-linear-attention", False)
+    major, minor, patch = (int("".join(c for c in part if c.isdigit()) or 0) for part in
+                           (triton_version.split(".") + ["0", "0"])[:3])
+    if capability[0] == 9 and (3, 4, 0) <= (major, minor, patch) < (3, 7, 1) and not have_tilelang:
+        return (f"{model_name}'s Gated DeltaNet layers: flash-linear-attention refuses Triton {triton_version} on "
+                "Hopper GPUs (a backward kernel computes wrongly with it); pip install tilelang, or "
+                "triton>=3.7.1", True)
+    return None
+
+
+def check_delta_rule_kernels(model: PreTrainedModel, device: torch.device) -> None:
+    """On a GPU, one line before anything is allocated where a Gated DeltaNet model's layers cannot
+    take flash-linear-attention's kernels (delta_rule_kernel_problem): a warning, or an error."""
+    if device.type != "cuda" or not any("GatedDeltaNet" in name for name in _stateful_mixers(model)):
+        return
+    triton = importlib.import_module("triton").__version__ if fla_delta_rule() is not None else None
+    problem = delta_rule_kernel_problem(type(model).__name__, torch.cuda.get_device_capability(device), triton,
+                                        importlib.util.find_spec("tilelang") is not None)
+    if problem and problem[1]:
+        raise PackingError(problem[0])
+    if problem:
+        log0(f"warning: {problem[0]}")
 
 
 def _delta_rule_by_document(original):

@@ -161,3 +161,26 @@ def test_a_hybrid_takes_causal_sdpa_and_its_mask_probe_runs_no_layer(tmp_path, m
     hybrid.model.rotary_emb.register_forward_pre_hook(lambda *a: ran.append("rotary embedding"))
     assert builds_document_masks(hybrid) and ran == []
     assert use_causal_sdpa(hybrid, packing=False)
+
+
+@pytest.mark.parametrize("capability, triton, tilelang, expected", [
+    ((9, 0), None, False, ("run transformers' torch reference", False)),         # no fla: slow, a warning
+    ((9, 0), "3.6.0", False, ("refuses Triton 3.6.0 on Hopper", True)),          # the H100/H200 image of today
+    ((9, 0), "3.6.0", True, None),                                               # tilelang takes that kernel
+    ((9, 0), "3.7.1", False, None),
+    ((8, 0), "3.6.0", False, None),                                              # not Hopper: fla's kernels run
+    ((9, 0), "3.3.1", False, None),
+], ids=str)
+def test_gated_deltanet_on_a_gpu_without_fla_s_kernels_is_one_line(capability, triton, tilelang, expected):
+    """On a GPU, a Gated DeltaNet model whose layers cannot take flash-linear-attention's kernels gets
+    one line before anything is allocated: a warning without fla, an error where fla would refuse
+    Triton at the first backward (Hopper, Triton 3.4.0 to 3.7.0, no tilelang), naming the fix."""
+    from sft.models.packing import delta_rule_kernel_problem
+
+    problem = delta_rule_kernel_problem("Qwen3_5ForCausalLM", capability, triton, tilelang)
+    if expected is None:
+        assert problem is None
+    else:
+        assert expected[0] in problem[0] and problem[1] == expected[1]
+        assert problem[0].startswith("Qwen3_5ForCausalLM's Gated DeltaNet layers")
+        assert problem[0].endswith("pip install flash-linear-attention" if triton is None else "triton>=3.7.1")
