@@ -68,6 +68,15 @@ MEASURED = {
 }
 
 
+def config_on_empty_data(tmp_path, config: str, *overrides: str):
+    """The repository's `config` with `overrides`, its data an empty file (the planner reads none)."""
+    from sft.config import load_config
+
+    data = tmp_path / "d.jsonl"
+    data.touch()
+    return load_config(REPO / config, [f"data.path={data}", *overrides])
+
+
 @pytest.fixture(scope="module")
 def shapes() -> dict[str, Shapes]:
     return {name: Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models" / name))))
@@ -243,19 +252,16 @@ def test_cli_suggests_a_setting_that_fits(at_repo, capsys):
 
 
 def test_auto_plan_keeps_the_global_batch_and_fits(tmp_path):
-    from sft.config import load_config
     from sft.plan import apply_auto_plan, predict_gib
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b"])
+    cfg = config_on_empty_data(tmp_path, "configs/qwen32b.yaml", "model.name_or_path=configs/models/qwen2.5-32b")
     line = apply_auto_plan(cfg, gpus=64, gpu_mem_gib=60)
     assert cfg.train.micro_batch_size * cfg.train.grad_accum_steps * 64 == 128
     shapes = Shapes.of(build_meta_model(cfg.model))
     assert predict_gib(shapes, cfg, 64, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode) <= 60
     assert line.startswith(f"plan.auto: ac.ratio={cfg.ac.ratio:g}")
     # A tighter budget needs more recomputation.
-    tight = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b"])
+    tight = config_on_empty_data(tmp_path, "configs/qwen32b.yaml", "model.name_or_path=configs/models/qwen2.5-32b")
     apply_auto_plan(tight, gpus=64, gpu_mem_gib=40)
     assert tight.ac.ratio > cfg.ac.ratio or tight.train.micro_batch_size < cfg.train.micro_batch_size
 
@@ -296,13 +302,11 @@ def test_host_per_node_is_16_bytes_per_parameter_and_gpu_plus_rounding(shapes):
 
 
 def test_offload_host_budget_is_refused(tmp_path):
-    from sft.config import ConfigError, load_config
+    from sft.config import ConfigError
     from sft.plan import apply_auto_plan, check_fits, host_gib_per_node, suggest
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/qwen32b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen2.5-32b",
-                                                      "fsdp.cpu_offload=true"])
+    cfg = config_on_empty_data(tmp_path, "configs/qwen32b.yaml", "model.name_or_path=configs/models/qwen2.5-32b",
+                               "fsdp.cpu_offload=true")
     model = build_meta_model(cfg.model)
     s = Shapes.of(model)
     need = host_gib_per_node(s, cfg, Machine.of(16, 80, 1, 8))
@@ -423,14 +427,11 @@ def test_lora_on_the_experts_of_the_whole_30b_moe_is_predicted_within_ten_percen
     """Qwen3-30B-A3B, rank 16 on q/k/v/o and every routed expert (642.51M adapters, as the run logs),
     P-7B rows on one H200 at micro-batch 2 (docs/BENCHMARKS.md, issue #46, cedb9d6 and 6a1776d): the
     planner within 10% of each measured peak. QLoRA keeps the experts' fused weights in NF4 too."""
-    from sft.config import load_config
     from sft.plan import predict_gib
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [
-        f"data.path={data}", "model.name_or_path=configs/models/qwen3-30b-a3b", "lora.rank=16", "lora.alpha=32",
-        "lora.target_modules=[all-linear, experts]", f"lora.base={base}"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3-30b-a3b",
+                               "lora.rank=16", "lora.alpha=32", "lora.target_modules=[all-linear, experts]",
+                               f"lora.base={base}")
     s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     assert s.trained == 642_514_944
     # a block's routed-expert adapters (128 experts x 16 x (2048 + 1536 + 768 + 2048)); not its frozen experts
@@ -463,13 +464,10 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_lean_state_before_exp
     without expert parallelism, measured faster (docs/BENCHMARKS.md, issue #46: 7,273 tok/s/GPU at
     ac 1 ops_half, peak 119.5 GiB, against 4,540 with ep 2); not allowed, expert parallelism alone
     does not fit it either. Its prediction at the measured setting is within 10% of that peak."""
-    from sft.config import load_config
     from sft.plan import apply_auto_plan, predict_gib
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen3-30b-a3b",
-                                                      "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3-30b-a3b",
+                               "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}")
     if not allow_lean:
         with pytest.raises(ConfigError, match="nothing fits"):
             apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
@@ -494,12 +492,9 @@ def test_auto_plan_takes_expert_parallelism_alone_where_it_is_enough(tmp_path):
     """The whole Qwen3-30B-A3B on 4 GPUs of 133 GiB (4 x H200 fit it without ep): with 16 bytes of
     state it fits only with each GPU gathering a quarter of each block's experts; plan.auto takes ep 4
     and keeps fp32 AdamW."""
-    from sft.config import load_config
     from sft.plan import apply_auto_plan
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "model.name_or_path=configs/models/qwen3-30b-a3b"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3-30b-a3b")
     assert apply_auto_plan(cfg, gpus=4, gpu_mem_gib=133).startswith("plan.auto: moe.ep_degree=4 ac.ratio=")
     assert (cfg.moe.ep_degree, cfg.optim.state_dtype, cfg.optim.master_dtype) == (4, "float32", "float32")
 
@@ -562,19 +557,17 @@ def test_plan_names_the_roomier_layout_or_says_how_close_it_comes(at_repo, capsy
             "(8 bytes of state per parameter): the least any setting needs is 121.9 GiB per GPU") in out
 
 
-def test_out_of_gpu_memory_is_one_line_with_the_planner_s_prediction_and_a_setting_that_fits(tmp_path, capsys):
-    """train.py registers the explanation once it knows the GPUs; an OutOfMemoryError raised anywhere
-    after that ends the run with one line (no traceback): the planner's prediction for the layout
-    and a setting that fits (P-7B on 2 x 80 GiB at micro-batch 4 and no checkpointing does not)."""
-    from sft.config import load_config
-    from sft.errors import run_command
+def out_of_memory_line(cfg, capsys, monkeypatch=None, peak_gib: float | None = None) -> str:
+    """What a run of `cfg` on 2 x 80 GiB GPUs prints when an allocation fails, after its rank held
+    `peak_gib` (None: as on this machine, no GPU)."""
     import torch
 
+    from sft.errors import run_command
     from sft.plan import explain_out_of_memory
 
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "train.micro_batch_size=4"])
+    if peak_gib is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: peak_gib * GIB)
 
     def main() -> int:
         explain_out_of_memory(cfg, 2, 80.0)
@@ -582,8 +575,18 @@ def test_out_of_gpu_memory_is_one_line_with_the_planner_s_prediction_and_a_setti
 
     with pytest.raises(SystemExit) as exit_:
         run_command(main)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_out_of_gpu_memory_is_one_line_with_the_planner_s_prediction_and_a_setting_that_fits(tmp_path, capsys):
+    """train.py registers the explanation once it knows the GPUs; an OutOfMemoryError raised anywhere
+    after that ends the run with one line (no traceback): the planner's prediction for the layout
+    and a setting that fits (P-7B on 2 x 80 GiB at micro-batch 4 and no checkpointing does not)."""
+
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "train.micro_batch_size=4")
+    err = out_of_memory_line(cfg, capsys)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert err.startswith("error: out of GPU memory (this rank's peak ")
     assert "the planner predicted" in err and "GiB per GPU for ac.ratio=0 ac.mode=blocks train.micro_batch_size=4" in err
     assert "): set ac.ratio=" in err and "(or plan.auto: true)" in err
@@ -635,11 +638,9 @@ def test_a_hybrid_s_checkpointed_blocks_are_counted_by_their_kind(tmp_path):
     mean = (24 * delta + 8 * attention) / 32  # what counting the mean of the kinds would have predicted
     assert abs(predicted - ALLOCATOR_SLACK * tokens * 8 * (mean - 2 * s.hidden) / GIB) > 5
     assert peak_bytes(s, 2, tokens, 4096, 0.0, True) / GIB > 140
-    from sft.config import load_config
 
-    (tmp_path / "d.jsonl").touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={tmp_path / 'd.jsonl'}",
-                                                        f"model.name_or_path={REPO / 'configs/models/qwen3.5-9b'}"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml",
+                               f"model.name_or_path={REPO / 'configs/models/qwen3.5-9b'}")
     assert suggest(s, cfg, Machine.of(2, 140.0))[1] == "blocks"
 
 
@@ -647,28 +648,13 @@ def test_out_of_memory_above_the_prediction_suggests_a_setting_with_that_much_ro
     """Where the rank held more than the planner predicted when it ran out (plan.auto's own choice, on a
     model the planner under-estimates), the line does not name that setting again: it names one that
     fits if every prediction is as much too low, and says by how much the planner was off."""
-    import torch
+    from sft.plan import predict_gib
 
-    from sft.config import load_config
-    from sft.errors import run_command
-    from sft.plan import explain_out_of_memory, predict_gib
-
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "ac.ratio=0.5"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "ac.ratio=0.5")
     s = Shapes.of(build_meta_model(cfg.model))
     predicted = predict_gib(s, cfg, 2, 2, 0.5, "blocks")
     assert predicted < 0.9 * 80  # the planner says it fits: plan.auto could have chosen it
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1.15 * predicted * GIB)
-
-    def main() -> int:
-        explain_out_of_memory(cfg, 2, 80.0)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    with pytest.raises(SystemExit):
-        run_command(main)
-    err = capsys.readouterr().err
+    err = out_of_memory_line(cfg, capsys, monkeypatch, 1.15 * predicted)
     assert "the planner under-estimates this model by at least 1.15x: set ac.ratio=" in err
     ratio, mode, micro_batch = (err.split("set ac.ratio=")[1].split(" train.grad_accum_steps")[0]
                                 .replace("ac.mode=", "").replace("train.micro_batch_size=", "").split())
@@ -679,25 +665,9 @@ def test_out_of_memory_below_the_prediction_never_suggests_the_setting_that_fail
     """An allocation can fail below the prediction (the failed allocation, NCCL's buffers and
     fragmentation are not in the peak): the line then names another setting, never the one that ran
     out (P-7B, ac 0.75 ops_half at micro-batch 2 on 2 x 80 GiB is the planner's own first choice)."""
-    import torch
 
-    from sft.config import load_config
-    from sft.errors import run_command
-    from sft.plan import explain_out_of_memory
-
-    data = tmp_path / "d.jsonl"
-    data.touch()
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", [f"data.path={data}", "ac.ratio=0.75", "ac.mode=ops_half"])
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "ac.ratio=0.75", "ac.mode=ops_half")
     s = Shapes.of(build_meta_model(cfg.model))
     assert suggest(s, cfg, Machine.of(2, 80.0))[:3] == (0.75, "ops_half", 2)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 60 * GIB)
-
-    def main() -> int:
-        explain_out_of_memory(cfg, 2, 80.0)
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    with pytest.raises(SystemExit):
-        run_command(main)
-    err = capsys.readouterr().err
+    err = out_of_memory_line(cfg, capsys, monkeypatch, 60.0)
     assert "): set ac.ratio=" in err and "set ac.ratio=0.75 ac.mode=ops_half train.micro_batch_size=2 " not in err
