@@ -38,6 +38,7 @@ import sys
 from typing import NamedTuple
 
 import torch
+from packaging.version import Version
 from transformers import PreTrainedModel, masking_utils
 from transformers.activations import ACT2FN
 
@@ -220,9 +221,7 @@ def delta_rule_kernel_problem(model_name: str, capability: tuple[int, int], trit
     if triton_version is None:
         return (f"{model_name}'s Gated DeltaNet layers run transformers' torch reference, which is slow (and runs "
                 "packed rows one document at a time): pip install flash-linear-attention", False)
-    major, minor, patch = (int("".join(c for c in part if c.isdigit()) or 0) for part in
-                           (triton_version.split(".") + ["0", "0"])[:3])
-    if capability[0] == 9 and (3, 4, 0) <= (major, minor, patch) < (3, 7, 1) and not have_tilelang:
+    if capability[0] == 9 and Version("3.4.0") <= Version(triton_version) < Version("3.7.1") and not have_tilelang:
         return (f"{model_name}'s Gated DeltaNet layers: flash-linear-attention refuses Triton {triton_version} on "
                 "Hopper GPUs (a backward kernel computes wrongly with it); pip install tilelang, or "
                 "triton>=3.7.1", True)
