@@ -76,7 +76,8 @@
 #             (ac 1; plan.auto) and V-7B packed rows (ac 1; plan.auto), plan.auto in bf16 and float8 tensorwise
 #             (ONLY=regex picks)
 #   qwen35peer  the peer on that model, same GPUs (PEER_DIR: a copy of the peer's scripts): TRL + Liger on P-7B
-#             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2")
+#             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2"; none
+#             skips them)
 #   qwen35big issue #45, for 2 x H200: the largest dense Qwen3.5 shapes (configs/models/qwen3.5-27b) on P-7B rows,
 #             plan.auto with lean state allowed
 #   Qwen3.5 needs fla-core, and on Hopper tilelang (Triton < 3.7.1 computes one of fla's backward kernels wrongly
@@ -86,6 +87,7 @@
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
+# EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
 set -u
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then  # the GPU image lacks `datasets`: wheels carried in .whl/, installed once per set of wheels
@@ -131,7 +133,7 @@ ac_runs() {  # ac_runs STAGE <<< "NAME CONFIG OVERRIDES" lines: each run with th
   while read -r name config overrides; do
     [[ "$name" =~ ${ONLY:-.} ]] || continue
     # shellcheck disable=SC2086
-    train "$name" "$config" train.max_steps="$STEPS" $overrides </dev/null
+    train "$name" "$config" train.max_steps="$STEPS" $overrides ${EXTRA:-} </dev/null
     runs+=("runs/bench/$name/")
     if [[ "$overrides" == *plan.auto=true* ]]; then
       grep -h "plan.auto:" "$LOGS/$name.log" | head -1
@@ -378,7 +380,7 @@ RUNS
       while read -r name config overrides; do
         [[ "$name" =~ ${ONLY:-.} ]] || continue
         # shellcheck disable=SC2086
-        train "$name" "$config" train.max_steps="$STEPS" $overrides </dev/null
+        train "$name" "$config" train.max_steps="$STEPS" $overrides ${EXTRA:-} </dev/null
         [[ "$overrides" == *float8=none* ]] || float8_applied "$name"
       done <<RUNS
 p7b-bf16             configs/bench/p7b.yaml precision.float8=none
@@ -651,7 +653,7 @@ RUNS
       python3 -c "import fla, tilelang, liger_kernel" || { echo "qwen35peer needs fla-core, tilelang, liger_kernel"; exit 1; }
       OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARIANTS:-noac_liger liger} \
         bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/qwen35.md
-      OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
+      [ "${PEER_VARLEN:-}" = none ] || OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
         bash "$PEER_DIR/run_trl_varlen.sh" | tee -a runs/bench/qwen35.md ;;
     qwen35big)
       p7b_data
