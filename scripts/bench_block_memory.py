@@ -20,6 +20,7 @@ import json
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from sft.models.gated_deltanet import use_gated_deltanet_kernels
 from sft.profiling import MEMORY_HISTORY_ENTRIES, memory_at_peak
 
 
@@ -29,6 +30,7 @@ def kept_bytes(config, kind: str, layers: int, tokens: torch.Tensor, compiled: b
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    use_gated_deltanet_kernels(model, torch.device("cuda"))  # the kernels train.py gives its layers
     decoder = model.get_decoder()
     if compiled:
         for block in decoder.layers:

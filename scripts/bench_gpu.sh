@@ -73,7 +73,8 @@
 #   qwen35    issue #45, for 2 GPUs: Qwen3.5 of 9B shapes (configs/models/qwen3.5-9b: transformers' qwen3_5_text
 #             defaults, a Gated DeltaNet hybrid), random init, flash-linear-attention's kernels: each layer kind's kept
 #             bytes per token (scripts/bench_block_memory.py at 9B and 27B widths; PROBE=0 skips), then P-7B rows
-#             (ac 1; plan.auto) and V-7B packed rows (ac 1; plan.auto), plan.auto in bf16 and float8 tensorwise
+#             (ac 1, 0.5, and 0 at 1 row a micro-batch; plan.auto) and V-7B packed rows (ac 1; plan.auto), plan.auto
+#             in bf16 and float8 tensorwise
 #             (ONLY=regex picks)
 #   qwen35peer  the peer on that model, same GPUs (PEER_DIR: a copy of the peer's scripts): TRL + Liger on P-7B
 #             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2"; none
@@ -642,6 +643,8 @@ RUNS
       PACKED="data.packing=true train.micro_batch_size=2"  # sdpa: Qwen3.5 has no flex attention in transformers 5.17
       ac_runs qwen35 <<RUNS
 qwen35-p7b-ac1          configs/bench/p7b.yaml $Q35 ac.ratio=1
+qwen35-p7b-ac0.5        configs/bench/p7b.yaml $Q35 ac.ratio=0.5
+qwen35-p7b-mb1-ac0      configs/bench/p7b.yaml $Q35 train.micro_batch_size=1 train.grad_accum_steps=2 ac.ratio=0
 qwen35-v7b-packed-ac1   configs/bench/v7b.yaml $Q35 $PACKED ac.ratio=1
 qwen35-p7b-auto         configs/bench/p7b.yaml $Q35 plan.auto=true
 qwen35-v7b-packed-auto  configs/bench/v7b.yaml $Q35 $PACKED plan.auto=true

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
-from sft.models.packing import DOCUMENT_ENDS, DocumentEnds, document_ends
+from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
 from sft.parallel.context_parallel import attention_mask, shard_rows
 from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
@@ -144,7 +144,7 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
               target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
               **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
-    document ends reach the layers that carry state (sft/models/packing.py); attention
+    document ends reach the layers that carry state (sft/models/gated_deltanet.py); attention
     keeps documents apart by their positions."""
     extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
     if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document

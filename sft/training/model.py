@@ -21,7 +21,8 @@ from sft.models.build import (build_meta_model, decoder_blocks, materialize, rea
                               use_causal_sdpa)
 from sft.models.lora import LoRA, apply_lora
 from sft.models.moe import MoE, apply_moe
-from sft.models.packing import check_delta_rule_kernels, check_packing
+from sft.models.gated_deltanet import use_gated_deltanet_kernels
+from sft.models.packing import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 from sft.training.loss import attach_sft_loss
@@ -40,7 +41,7 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     model = rank0_first(lambda: build_meta_model(cfg.model))
     # Stateful layers restart at each packed document, or one line before anything is allocated
     rank0_first(lambda: check_packing(model, cfg.data.packing))
-    rank0_first(lambda: check_delta_rule_kernels(model, device))  # Gated DeltaNet: fla's kernels, or one line
+    rank0_first(lambda: use_gated_deltanet_kernels(model, device))  # fla's kernels on GPUs, or one line
     if (attention := model.config._attn_implementation) != cfg.model.attn_implementation:
         log0(f"attention: {type(model).__name__} cannot run model.attn_implementation={cfg.model.attn_implementation} "
              f"here; using {attention} (model.attn_implementation chooses)")

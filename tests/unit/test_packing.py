@@ -1,5 +1,6 @@
 """Packing: documents in one row never see each other, and the loss is unchanged (CPU, sdpa)."""
 
+import copy
 import random
 
 import pytest
@@ -73,16 +74,19 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from helpers import gated_deltanet_model_dir
-    from sft.models.packing import DOCUMENT_ENDS, DocumentEnds, check_packing, document_ends, fla_delta_rule
+    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends, fla_kernels
+    from sft.models.gated_deltanet import use_gated_deltanet_kernels
+    from sft.models.packing import check_packing
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no GPU here (on one, the packed rows take flash-linear-attention's varlen kernel)")
-    if device == "cuda" and fla_delta_rule() is None:
+    if device == "cuda" and fla_kernels() is None:
         pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
-    check_packing(model, packing=True)  # puts the document-aware functions in place
+    check_packing(model, packing=True)
+    use_gated_deltanet_kernels(model, torch.device(device))  # the document-aware functions (fla's on a GPU)
     lengths = [7, 70, 5]  # the middle one spans two of the delta rule's 64-token chunks
     documents = [torch.randint(3, 800, (n,), device=device) for n in lengths]
     decoder = model.get_decoder()
@@ -97,6 +101,11 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
                      **{DOCUMENT_ENDS: ends}).last_hidden_state[0]
     close = 1e-5 if device == "cpu" else 1e-3  # flash-linear-attention's kernels multiply in TF32
     torch.testing.assert_close(packed, torch.cat(alone), rtol=close, atol=close)
+    if device == "cuda":  # fla's kernels (also for rows of one document) compute what transformers' reference does
+        on_cpu = copy.deepcopy(model).cpu().get_decoder()
+        reference = [on_cpu(input_ids=d[None].cpu(), position_ids=torch.arange(len(d))[None],
+                            use_cache=False).last_hidden_state[0] for d in documents]
+        torch.testing.assert_close(torch.cat(alone).cpu(), torch.cat(reference), rtol=close, atol=close)
     mixed = decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state[0]
     assert (mixed[7:] - torch.cat(alone)[7:]).abs().max() > 1e-3  # the state crossed into the next document
     # gradients of the packed row equal the sum over the documents alone
@@ -175,9 +184,9 @@ def test_gated_deltanet_on_a_gpu_without_fla_s_kernels_is_one_line(capability, t
     """On a GPU, a Gated DeltaNet model whose layers cannot take flash-linear-attention's kernels gets
     one line before anything is allocated: a warning without fla, an error where fla would refuse
     Triton at the first backward (Hopper, Triton 3.4.0 to 3.7.0, no tilelang), naming the fix."""
-    from sft.models.packing import delta_rule_kernel_problem
+    from sft.models.gated_deltanet import kernel_problem
 
-    problem = delta_rule_kernel_problem("Qwen3_5ForCausalLM", capability, triton, tilelang)
+    problem = kernel_problem("Qwen3_5ForCausalLM", capability, triton, tilelang)
     if expected is None:
         assert problem is None
     else:

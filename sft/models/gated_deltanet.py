@@ -1,0 +1,196 @@
+"""Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid): the kernels they run, and
+each packed document restarting their state.
+
+transformers' Gated DeltaNet layers call two functions of their modeling module, `causal_conv1d_fn`
+and `torch_chunk_gated_delta_rule`. transformers chooses what those run when the module is first
+imported, and where importing flash-linear-attention (fla) fails at that moment it keeps its torch
+references without a word under torch.compile: Qwen3.5-9B on 2 x H200 then spent 1.7 s a step, most of
+it in the reference's per-chunk loop (issue #45). `use_gated_deltanet_kernels` puts these in their
+place instead, once per modeling module, for every model with such layers:
+
+* on a GPU with fla installed, fla's kernels: its chunked gated delta rule and its causal
+  convolution; a packed row's documents go to both as their ends (`cu_seqlens`), so every
+  document starts from a zero state, as if it had a row of its own;
+* elsewhere (fla is GPU-only) transformers' torch functions; for a packed row the delta rule runs
+  one document at a time and the convolution's taps that reach into the previous document are
+  masked: the CPU path, on which the tests compare packed and unpacked rows.
+
+A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/training/loss.py passes
+them for packed rows of a model that `enable_document_ends` marked); transformers passes the keyword
+arguments of the model's call on to both functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import torch
+from packaging.version import Version
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+
+from sft.distributed import log0
+from sft.errors import UserError
+
+# The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
+DOCUMENT_ENDS = "sft_document_ends"
+
+
+class DocumentEnds(NamedTuple):
+    """What DOCUMENT_ENDS carries: the documents' ends (document_ends) on the host and on the device,
+    one tensor each for every layer of a forward. flash-linear-attention caches its chunk indices on
+    the device tensor's identity and computes them from the host one: no GPU sync, once a forward."""
+    on_host: torch.Tensor
+    on_device: torch.Tensor
+
+
+class KernelError(UserError):
+    """Gated DeltaNet layers that cannot run on this GPU; the message names the fix."""
+
+
+def document_ends(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The cumulative ends of the documents of rows [B, T] flattened into one sequence (int64, as
+    flash-linear-attention takes them: [0, end_1, ..., B*T]); positions restart at 0 with every document.
+    None for rows of one document each (nothing to keep apart). On the host: no GPU sync."""
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten()
+    if len(starts) == position_ids.shape[0]:
+        return None
+    return torch.cat([starts, torch.tensor([position_ids.numel()])])
+
+
+def modeling_modules(model: PreTrainedModel) -> list[object]:
+    """The modeling modules of `model`'s Gated DeltaNet layers that call the two functions."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if "GatedDeltaNet" in type(m).__name__}
+    return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"))]
+
+
+@functools.cache
+def fla_kernels() -> SimpleNamespace | None:
+    """flash-linear-attention's chunked gated delta rule and causal convolution (and the keyword
+    arguments the delta rule takes), None where fla is not installed."""
+    try:
+        delta_rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
+    except ImportError:
+        return None
+    return SimpleNamespace(delta_rule=delta_rule, conv=torch.compiler.disable(conv),
+                           delta_rule_args=frozenset(inspect.signature(delta_rule).parameters),
+                           version=importlib.import_module("fla").__version__)
+
+
+def kernel_problem(model_name: str, capability: tuple[int, int], triton_version: str | None,
+                   have_tilelang: bool) -> tuple[str, bool] | None:
+    """What keeps a model's Gated DeltaNet layers from flash-linear-attention's kernels on a GPU of this
+    compute `capability`, as (one line, whether it stops the run), or None. Without fla
+    (`triton_version` None: fla is not importable) they run transformers' torch reference: slow, and
+    packed rows one document at a time. fla itself refuses Triton 3.4.0 to 3.7.0 on Hopper without
+    tilelang (one of its backward kernels computes wrongly there), at the first backward: here it
+    stops before the model is built."""
+    if triton_version is None:
+        return (f"{model_name}'s Gated DeltaNet layers run transformers' torch reference, which is slow (and runs "
+                "packed rows one document at a time): pip install flash-linear-attention", False)
+    if capability[0] == 9 and Version("3.4.0") <= Version(triton_version) < Version("3.7.1") and not have_tilelang:
+        return (f"{model_name}'s Gated DeltaNet layers: flash-linear-attention refuses Triton {triton_version} on "
+                "Hopper GPUs (a backward kernel computes wrongly with it); pip install tilelang, or "
+                "triton>=3.7.1", True)
+    return None
+
+
+def use_gated_deltanet_kernels(model: PreTrainedModel, device: torch.device) -> None:
+    """Put this module's convolution and delta rule in the place of the functions `model`'s Gated
+    DeltaNet layers call, and say once which kernels they run; on a GPU where they cannot take fla's
+    kernels (kernel_problem), a warning or one line that stops the run, before anything is allocated."""
+    modules = modeling_modules(model)
+    if not modules:
+        return
+    for module in modules:
+        if not getattr(module.causal_conv1d_fn, "by_document", False):
+            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn)
+            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule)
+    if device.type != "cuda":
+        return
+    kernels = fla_kernels()
+    triton = importlib.import_module("triton").__version__ if kernels is not None else None
+    problem = kernel_problem(type(model).__name__, torch.cuda.get_device_capability(device), triton,
+                             importlib.util.find_spec("tilelang") is not None)
+    if problem and problem[1]:
+        raise KernelError(problem[0])
+    log0(f"warning: {problem[0]}" if problem else
+         f"Gated DeltaNet layers: flash-linear-attention {kernels.version}'s chunked delta rule and causal convolution")
+
+
+def _document_ids(ends: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[B, T] index of each position's document, from the flattened ends (on the device: no sync)."""
+    lengths = ends[1:] - ends[:-1]
+    return torch.repeat_interleave(torch.arange(len(lengths), device=ends.device), lengths,
+                                   output_size=shape.numel()).view(shape)
+
+
+def _conv_by_document(original):
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         activation: str | None = None, **kwargs) -> torch.Tensor:
+        ends = kwargs.get(DOCUMENT_ENDS)
+        # hidden_states [B, C, T] (a transposed view of [B, T, C]), weight [C, K]
+        if (kernels := fla_kernels() if hidden_states.is_cuda else None) is not None:
+            batch, channels, length = hidden_states.shape
+            rows = hidden_states.transpose(1, 2)
+            if ends is None:
+                out, _ = kernels.conv(rows, weight, bias, activation=activation)
+            else:  # the rows as one sequence of documents
+                out, _ = kernels.conv(rows.reshape(1, batch * length, channels), weight, bias, activation=activation,
+                                      cu_seqlens=ends.on_device, cu_seqlens_cpu=ends.on_host)
+            return out.view(batch, length, channels).transpose(1, 2)
+        if ends is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        # out[t] = sum_j weight[K-1-j] x[t-j], the taps in t's document only
+        batch, _, length = hidden_states.shape
+        document = _document_ids(ends.on_device, torch.Size((batch, length)))
+        x = hidden_states.to(weight.dtype)
+        kernel = weight.shape[-1]
+        out = x * weight[:, kernel - 1, None]
+        for j in range(1, min(kernel, length)):
+            same = (document[:, j:] == document[:, :-j]).unsqueeze(1)  # [B, 1, T-j]
+            out[..., j:] += x[..., :-j] * weight[:, kernel - 1 - j, None] * same
+        if bias is not None:
+            out = out + bias[:, None]
+        if activation is not None:
+            out = ACT2FN[activation](out)
+        return out.to(hidden_states.dtype)
+
+    causal_conv1d_fn.by_document = True
+    return causal_conv1d_fn
+
+
+def _delta_rule_by_document(original):
+    reference = getattr(original, "__wrapped__", original)  # transformers' torch function
+
+    @functools.wraps(original)
+    def chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        ends = kwargs.pop(DOCUMENT_ENDS, None)
+        kernels = fla_kernels() if query.is_cuda else None
+        if ends is None:
+            if kernels is None:  # on a CPU transformers' reference (its choice may be fla, which is GPU-only)
+                return (original if query.is_cuda else reference)(query, key, value, g=g, beta=beta, **kwargs)
+            return kernels.delta_rule(query, key, value, g=g, beta=beta,
+                                      **{k: v for k, v in kwargs.items() if k in kernels.delta_rule_args})
+        l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
+        batch, length = query.shape[:2]
+        flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        if kernels is not None:
+            out, _ = kernels.delta_rule(*flat, initial_state=None, output_final_state=False,
+                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ends.on_device,
+                                        cu_seqlens_cpu=ends.on_host)
+        else:  # every document from a zero state, through transformers' own reference
+            bounds = ends.on_host.tolist()
+            out = torch.cat([reference(*(t[:, start:end] for t in flat), use_qk_l2norm_in_kernel=l2norm)[0]
+                             for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
+        return out.reshape(batch, length, *out.shape[2:]), None
+
+    return chunk_gated_delta_rule
