@@ -146,7 +146,7 @@ def _conv_by_document(original):
             else:  # the rows as one sequence of documents
                 out, _ = kernels.conv(rows.reshape(1, batch * length, channels), weight, bias, activation=activation,
                                       cu_seqlens=ends.on_device, cu_seqlens_cpu=ends.on_host)
-            return out.view(batch, length, channels).transpose(1, 2)
+            return out.reshape(batch, length, channels).transpose(1, 2)
         if ends is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         # out[t] = sum_j weight[K-1-j] x[t-j], the taps in t's document only
