@@ -76,7 +76,6 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.data.collate import collate, collate_packed
     from sft.models.build import (build_meta_model, decoder_blocks, materialize, model_config, persistent_buffers,
                                   real_buffers)
-    from sft.models.gated_deltanet import use_gated_deltanet_kernels
     from sft.models.hub import to_hub_tensors, write_safetensors
     from sft.models.lora import apply_lora
     from sft.models.moe import apply_moe
@@ -109,7 +108,6 @@ def check_family(family: str, tmp: Path) -> Row:
         "MoE" + (" (general path)" if moe.general else "") if moe else "dense") + (", hybrid" if stateful else "")
     try:
         check_packing(model, packing=True)
-        use_gated_deltanet_kernels(model, torch.device("cpu"))
         row.packing = "exact" if stateful else "yes"
     except Exception as e:  # noqa: BLE001
         row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"

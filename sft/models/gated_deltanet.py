@@ -6,18 +6,20 @@ and `torch_chunk_gated_delta_rule`. transformers chooses what those run when the
 imported, and where importing flash-linear-attention (fla) fails at that moment it keeps its torch
 references without a word under torch.compile: Qwen3.5-9B on 2 x H200 then spent 1.7 s a step, most of
 it in the reference's per-chunk loop (issue #45). `use_gated_deltanet_kernels` puts these in their
-place instead, once per modeling module, for every model with such layers:
+place instead (`install_gated_deltanet_functions`, once per modeling module), for every model with such
+layers:
 
 * on a GPU with fla installed, fla's kernels: its chunked gated delta rule and its causal
-  convolution; a packed row's documents go to both as their ends (`cu_seqlens`), so every
-  document starts from a zero state, as if it had a row of its own;
+  convolution (for the activations fla's applies: SiLU or none); a packed row's documents go to both
+  as their ends (`cu_seqlens`), so every document starts from a zero state, as if it had a row of its
+  own;
 * elsewhere (fla is GPU-only) transformers' torch functions; for a packed row the delta rule runs
   one document at a time and the convolution's taps that reach into the previous document are
   masked: the CPU path, on which the tests compare packed and unpacked rows.
 
 A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/training/loss.py passes
-them for packed rows of a model that `enable_document_ends` marked); transformers passes the keyword
-arguments of the model's call on to both functions.
+them for packed rows of a model that sft/models/packing.py's `enable_exact_packing` marked);
+transformers passes the keyword arguments of the model's call on to both functions.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from sft.errors import UserError
 
 # The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
 DOCUMENT_ENDS = "sft_document_ends"
+# The activations fla's causal convolution applies (it leaves any other out)
+FLA_CONV_ACTIVATIONS = (None, "silu", "swish")
 
 
 class DocumentEnds(NamedTuple):
@@ -77,7 +81,7 @@ def fla_kernels() -> SimpleNamespace | None:
     try:
         delta_rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-    except ImportError:
+    except Exception:  # noqa: BLE001 -- as transformers: fla that cannot be imported here leaves the torch functions
         return None
     return SimpleNamespace(delta_rule=delta_rule, conv=torch.compiler.disable(conv),
                            delta_rule_args=frozenset(inspect.signature(delta_rule).parameters),
@@ -93,8 +97,9 @@ def kernel_problem(model_name: str, capability: tuple[int, int], triton_version:
     tilelang (one of its backward kernels computes wrongly there), at the first backward: here it
     stops before the model is built."""
     if triton_version is None:
-        return (f"{model_name}'s Gated DeltaNet layers run transformers' torch reference, which is slow (and runs "
-                "packed rows one document at a time): pip install flash-linear-attention", False)
+        return (f"{model_name}'s Gated DeltaNet layers run transformers' torch reference, which is slow, runs "
+                "packed rows one document at a time and keeps several times the memory plan.auto counts for "
+                "them: pip install flash-linear-attention", False)
     if capability[0] == 9 and Version("3.4.0") <= Version(triton_version) < Version("3.7.1") and not have_tilelang:
         return (f"{model_name}'s Gated DeltaNet layers: flash-linear-attention refuses Triton {triton_version} on "
                 "Hopper GPUs (a backward kernel computes wrongly with it); pip install tilelang, or "
@@ -102,17 +107,23 @@ def kernel_problem(model_name: str, capability: tuple[int, int], triton_version:
     return None
 
 
-def use_gated_deltanet_kernels(model: PreTrainedModel, device: torch.device) -> None:
+def install_gated_deltanet_functions(model: PreTrainedModel) -> None:
     """Put this module's convolution and delta rule in the place of the functions `model`'s Gated
-    DeltaNet layers call, and say once which kernels they run; on a GPU where they cannot take fla's
-    kernels (kernel_problem), a warning or one line that stops the run, before anything is allocated."""
-    modules = modeling_modules(model)
-    if not modules:
-        return
-    for module in modules:
+    DeltaNet layers call (once per modeling module)."""
+    kernels = fla_kernels()  # resolved here: under torch.compile the functions below only read it
+    for module in modeling_modules(model):
         if not getattr(module.causal_conv1d_fn, "by_document", False):
-            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn)
-            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule)
+            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels)
+            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule, kernels)
+
+
+def use_gated_deltanet_kernels(model: PreTrainedModel, device: torch.device) -> None:
+    """`model`'s Gated DeltaNet layers on this module's functions (fla's kernels on a GPU), said once;
+    on a GPU where they cannot take fla's kernels (kernel_problem), a warning or one line that stops
+    the run, before anything is allocated."""
+    if not modeling_modules(model):
+        return
+    install_gated_deltanet_functions(model)
     if device.type != "cuda":
         return
     kernels = fla_kernels()
@@ -132,13 +143,13 @@ def _document_ids(ends: torch.Tensor, shape: torch.Size) -> torch.Tensor:
                                    output_size=shape.numel()).view(shape)
 
 
-def _conv_by_document(original):
+def _conv_by_document(original, kernels: SimpleNamespace | None):
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs) -> torch.Tensor:
         ends = kwargs.get(DOCUMENT_ENDS)
         # hidden_states [B, C, T] (a transposed view of [B, T, C]), weight [C, K]
-        if (kernels := fla_kernels() if hidden_states.is_cuda else None) is not None:
+        if kernels is not None and hidden_states.is_cuda and activation in FLA_CONV_ACTIVATIONS:
             batch, channels, length = hidden_states.shape
             rows = hidden_states.transpose(1, 2)
             if ends is None:
@@ -168,25 +179,25 @@ def _conv_by_document(original):
     return causal_conv1d_fn
 
 
-def _delta_rule_by_document(original):
+def _delta_rule_by_document(original, kernels: SimpleNamespace | None):
     reference = getattr(original, "__wrapped__", original)  # transformers' torch function
 
     @functools.wraps(original)
     def chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
         ends = kwargs.pop(DOCUMENT_ENDS, None)
-        kernels = fla_kernels() if query.is_cuda else None
+        fla = kernels if query.is_cuda else None
         if ends is None:
-            if kernels is None:  # on a CPU transformers' reference (its choice may be fla, which is GPU-only)
+            if fla is None:  # on a CPU transformers' reference (its choice may be fla, which is GPU-only)
                 return (original if query.is_cuda else reference)(query, key, value, g=g, beta=beta, **kwargs)
-            return kernels.delta_rule(query, key, value, g=g, beta=beta,
-                                      **{k: v for k, v in kwargs.items() if k in kernels.delta_rule_args})
+            return fla.delta_rule(query, key, value, g=g, beta=beta,
+                                  **{k: v for k, v in kwargs.items() if k in fla.delta_rule_args})
         l2norm = kwargs.get("use_qk_l2norm_in_kernel", False)
         batch, length = query.shape[:2]
         flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
-        if kernels is not None:
-            out, _ = kernels.delta_rule(*flat, initial_state=None, output_final_state=False,
-                                        use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ends.on_device,
-                                        cu_seqlens_cpu=ends.on_host)
+        if fla is not None:
+            out, _ = fla.delta_rule(*flat, initial_state=None, output_final_state=False,
+                                    use_qk_l2norm_in_kernel=l2norm, cu_seqlens=ends.on_device,
+                                    cu_seqlens_cpu=ends.on_host)
         else:  # every document from a zero state, through transformers' own reference
             bounds = ends.on_host.tolist()
             out = torch.cat([reference(*(t[:, start:end] for t in flat), use_qk_l2norm_in_kernel=l2norm)[0]

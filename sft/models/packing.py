@@ -11,8 +11,8 @@ A recurrent or convolutional layer does not look at positions: Gated DeltaNet (Q
 Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention carry
 their state from one document into the next. Gated DeltaNet is packed exactly: given the
 documents' ends, every document restarts its recurrent state and its short convolution, as if it had
-a row of its own (sft/models/gated_deltanet.py); `check_packing` marks such a model to pass them
-(`enable_exact_packing`).
+a row of its own (sft/models/gated_deltanet.py); `check_packing` puts those layers' document-aware
+functions in place and marks the model to pass the ends (`enable_exact_packing`).
 
 Any other layer that carries state is refused for packing in one line. Context parallelism, which
 splits rows rather than packing them, refuses every such layer (`cp_unsupported`, its one rule).
@@ -27,7 +27,7 @@ from transformers import PreTrainedModel, masking_utils
 
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
-from sft.models.gated_deltanet import modeling_modules
+from sft.models.gated_deltanet import install_gated_deltanet_functions, modeling_modules
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
@@ -116,8 +116,9 @@ def check_packing(model: PreTrainedModel, packing: bool) -> None:
 
 
 def enable_exact_packing(model: PreTrainedModel) -> None:
-    """Mark `model`: its packed rows pass their documents' ends to its layers (sft/training/loss.py),
-    which restart there (sft/models/gated_deltanet.py)."""
+    """Put the document-aware functions in place (sft/models/gated_deltanet.py) and mark `model`: its
+    packed rows pass their documents' ends to its layers (sft/training/loss.py), which restart there."""
+    install_gated_deltanet_functions(model)
     model.sft_document_ends = True
 
 

@@ -207,10 +207,11 @@ def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
 
 # A Qwen3.5 Gated DeltaNet block running flash-linear-attention's kernels keeps a dense block's norms and
 # MLP and 12 bytes per value channel more than its attention (its projections, short convolution, expanded
-# q and k, the delta rule's saved inputs, its gated norm), about 165 KB per token at 9B widths: fitted on
-# the whole-run peak of Qwen3.5-9B at 1 row a micro-batch without checkpointing (99.6 GiB on 2 x H200,
-# docs/BENCHMARKS.md, issue #45; tests/unit/test_plan.py holds it and a second run). (Transformers' torch
-# reference, which the first runs took unseen, keeps 1.01 MB.) An attention block whose q_proj also makes
+# q and k, the delta rule's saved inputs, its gated norm), 164 KB per token at 9B widths: fitted on the
+# whole-run peak of Qwen3.5-9B at 1 row a micro-batch without checkpointing (99.6 GiB on 2 x H200,
+# docs/BENCHMARKS.md, issue #45; the fit is about 10, rounded up: 100.4 GiB predicted;
+# tests/unit/test_plan.py holds it and a second run). Not yet measured block by block. (Transformers'
+# torch reference, which the first runs took unseen, keeps 1.01 MB.) An attention block whose q_proj also makes
 # an output gate keeps 8.6 bytes per q channel more than a plain one (154 and 213 KB at 9B and 27B
 # widths against the plain block's 119 and 160; scripts/bench_block_memory.py, compiled blocks).
 DELTA_BYTES_PER_VALUE_CHANNEL = 12

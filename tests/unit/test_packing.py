@@ -69,12 +69,13 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     packed row of three documents, its document ends passed on, gives each document the hidden
     states and gradients it gets alone; without them (what packing did before) the later documents
     see the earlier ones. Attention keeps them apart by their restarting positions. On a GPU the
-    delta rule is flash-linear-attention's varlen kernel (its chunked kernel for each document alone);
-    on the CPU transformers' torch reference, one document at a time."""
+    delta rule and the convolution are flash-linear-attention's varlen kernels (its chunked kernels
+    for each document alone, which match transformers' torch reference on the CPU); on the CPU
+    transformers' torch reference, one document at a time, and the convolution masked."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from helpers import gated_deltanet_model_dir
-    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends, fla_kernels
+    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, KernelError, document_ends, fla_kernels
     from sft.models.gated_deltanet import use_gated_deltanet_kernels
     from sft.models.packing import check_packing
 
@@ -85,8 +86,11 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
-    check_packing(model, packing=True)
-    use_gated_deltanet_kernels(model, torch.device(device))  # the document-aware functions (fla's on a GPU)
+    check_packing(model, packing=True)  # puts the document-aware functions in place (fla's on a GPU)
+    try:
+        use_gated_deltanet_kernels(model, torch.device(device))
+    except KernelError as e:  # Hopper with Triton 3.4-3.7.0 and no tilelang: fla's kernels would refuse
+        pytest.skip(str(e))
     lengths = [7, 70, 5]  # the middle one spans two of the delta rule's 64-token chunks
     documents = [torch.randint(3, 800, (n,), device=device) for n in lengths]
     decoder = model.get_decoder()
@@ -102,10 +106,10 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     close = 1e-5 if device == "cpu" else 1e-3  # flash-linear-attention's kernels multiply in TF32
     torch.testing.assert_close(packed, torch.cat(alone), rtol=close, atol=close)
     if device == "cuda":  # fla's kernels (also for rows of one document) compute what transformers' reference does
-        on_cpu = copy.deepcopy(model).cpu().get_decoder()
+        on_cpu = copy.deepcopy(model).cpu().get_decoder()  # (TF32 products against float32 ones: 1e-2)
         reference = [on_cpu(input_ids=d[None].cpu(), position_ids=torch.arange(len(d))[None],
                             use_cache=False).last_hidden_state[0] for d in documents]
-        torch.testing.assert_close(torch.cat(alone).cpu(), torch.cat(reference), rtol=close, atol=close)
+        torch.testing.assert_close(torch.cat(alone).cpu(), torch.cat(reference), rtol=1e-2, atol=1e-2)
     mixed = decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state[0]
     assert (mixed[7:] - torch.cat(alone)[7:]).abs().max() > 1e-3  # the state crossed into the next document
     # gradients of the packed row equal the sum over the documents alone
