@@ -16,7 +16,7 @@ output shard, 5 GiB) and written as they come.
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,7 +82,7 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
                 kept = checkpoint / HF_FILES / KEPT
                 if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
                     write_safetensors(_with_kept(trained, kept), tmp)
-                    shutil.copyfile(checkpoint / HF_FILES / "config.json", tmp / "config.json")
+                    (tmp / "config.json").write_text(_original_config(checkpoint / HF_FILES / "config.json", dtype))
                 else:
                     write_safetensors(trained, tmp)
                     model.config.dtype = dtype
@@ -103,6 +103,20 @@ def _kept_in_their_dtype(model) -> set[str]:
     fp32 = [*(getattr(model, "_keep_in_fp32_modules", None) or []), *(getattr(model, "_keep_in_fp32_modules_strict",
                                                                              None) or [])]
     return buffers | {name for name, _ in model.named_parameters() if any(f".{part}" in f".{name}" for part in fp32)}
+
+
+def _original_config(original: Path, dtype: str) -> str:
+    """A vision-language checkpoint's config.json as it was, but for the dtype it names (at the top and
+    in its text_config): the language model's as exported, which transformers loads the model in."""
+    text = original.read_text()
+    config = json.loads(text)
+    named = [(section, key) for section in (config, config.get("text_config") or {})
+             for key in ("dtype", "torch_dtype") if key in section]
+    if all(section[key] == dtype for section, key in named):
+        return text
+    for section, key in named:
+        section[key] = dtype
+    return json.dumps(config, indent=2) + "\n"
 
 
 def _with_kept(trained: Iterator[tuple[str, torch.Tensor]], kept: Path) -> Iterator[tuple[str, torch.Tensor]]:

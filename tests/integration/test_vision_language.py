@@ -4,6 +4,7 @@ checkpoint (its class, config.json and tensor names; the vision tower byte for b
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -57,6 +58,15 @@ def test_vision_language_checkpoint_trains_its_language_model_and_exports_the_or
     subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "vl" / "checkpoints" / "step-3"), str(again),
                     "--dtype", "float32"], cwd=REPO, check=True, capture_output=True)
     assert {name: t.tolist() for name, t in _tensors(again).items()} == {name: t.tolist() for name, t in after.items()}
+    # In another dtype its config.json names that dtype, which transformers loads the language model in.
+    bf16 = tmp_path / "bf16"
+    subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "vl" / "checkpoints" / "step-3"), str(bf16),
+                    "--dtype", "bfloat16"], cwd=REPO, check=True, capture_output=True)
+    config = json.loads((bf16 / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    assert {k: v for k, v in config.items() if k != "dtype"} == {
+        k: v for k, v in json.loads((source / "config.json").read_text()).items() if k != "dtype"}
+    assert AutoModelForImageTextToText.from_pretrained(bf16).get_decoder().dtype == torch.bfloat16
 
 
 
