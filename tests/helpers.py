@@ -254,6 +254,23 @@ VISION_LANGUAGE = {
                                          shared_expert_intermediate_size=32),
                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                            out_hidden_size=64)),
+    # Qwen3-VL: a Qwen3 language model with interleaved multimodal rotary positions
+    "qwen3_vl": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                                        mrope_interleaved=True, rope_theta=10000.0)),
+                     vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                        deepstack_visual_indexes=[0])),
+    # Llama-4: mixture-of-experts blocks between dense ones, chunked attention
+    "llama4": dict(text_config=dict(_TINY_TEXT, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                                    interleave_moe_layer_step=2, attention_chunk_size=64),
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                                      projector_output_dim=64)),
+    # Gemma-4: per-layer inputs, sliding and global attention of their own head widths, a vision tower
+    "gemma4": dict(text_config=dict(_TINY_TEXT, layer_types=["sliding_attention", "full_attention"],
+                                    vocab_size_per_layer_input=899, hidden_size_per_layer_input=16, per_layer_config={},
+                                    global_head_dim=16),
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, head_dim=16)),
     # Mistral-3: a Mistral language model (files as published: language_model.model.)
     "mistral3": dict(text_config=dict(_TINY_TEXT, model_type="mistral"),
                      vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
