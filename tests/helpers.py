@@ -259,6 +259,15 @@ VISION_LANGUAGE = {
                                                                         mrope_interleaved=True, rope_theta=10000.0)),
                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                         deepstack_visual_indexes=[0])),
+    # Qwen2.5-VL: the same kind of text model (multimodal rotary sections), a windowed vision tower
+    "qwen2_5_vl": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                                          rope_theta=10000.0)),
+                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                          out_hidden_size=64, fullatt_block_indexes=[0])),
+    # GLM-4.1V / 4.5V / 4.6V's dense text model (partial multimodal rotary)
+    "glm4v": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
+                                                                     rope_theta=10000.0, partial_rotary_factor=0.5)),
+                  vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),
     # Llama-4: mixture-of-experts blocks between dense ones, chunked attention
     "llama4": dict(text_config=dict(_TINY_TEXT, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
                                     interleave_moe_layer_step=2, attention_chunk_size=64),

@@ -70,7 +70,7 @@ def _reason(error: BaseException) -> str:
 
 def check_family(family: str, tmp: Path) -> Row:
     """The row of `family`: what our path does with its tiny model (see the module's docstring)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from sft.config import LoRAConfig, ModelConfig, MoEConfig
     from sft.data.collate import collate, collate_packed
@@ -80,7 +80,7 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.models.lora import apply_lora
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
-    from sft.models.vision_language import is_vision_language
+    from sft.models.vision_language import is_vision_language, under_a_head
     from sft.models.weights import RandomWeights, SafetensorsWeights, load_weights
     from sft.training.loss import attach_sft_loss, loss_inputs
 
@@ -127,6 +127,17 @@ def check_family(family: str, tmp: Path) -> Row:
         attach_sft_loss(model)
         samples = synthetic_global_batch(4)
         padded, packed = collate(samples, 0, 256), collate_packed([samples[:2], samples[2:]], 0, 256)
+        if vision_language:  # before training: the loss transformers' vision-language class gives its text
+            with torch.no_grad():
+                ours = _loss(model, padded)
+                try:
+                    theirs = _next_token_loss(AutoModelForImageTextToText.from_pretrained(
+                        directory, attn_implementation="eager"), padded)
+                except Exception:  # noqa: BLE001 -- it cannot run on text alone (Llama-4 in transformers 5.24)
+                    theirs = ours
+            if abs(ours - theirs) > 1e-4 * abs(theirs):
+                row.status = f"differs from transformers' vision-language class ({ours:.5f} here, {theirs:.5f} there)"
+                return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(STEPS):
@@ -155,14 +166,11 @@ def check_family(family: str, tmp: Path) -> Row:
             tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}  # what an export writes
             write_safetensors(to_hub_tensors(model.config.model_type, tensors.items()), export)
             model.config.save_pretrained(export)
-            loaded = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
-            inputs = loss_inputs(padded)
-            ours = model.sft_loss(**inputs).item() / len(inputs["target_ids"])  # our loss path, head and all
-            # transformers' logits and the next-token loss on them (the model's own `loss` does not shift
-            # the labels in BART-era decoders and CPM-Ant: it expects them shifted already)
+            # (Qwen3-VL's text model has no causal class in transformers: it is loaded under our head)
+            loaded = (under_a_head(model.config) or AutoModelForCausalLM).from_pretrained(export,
+                                                                                        attn_implementation="eager")
+            ours, theirs = _loss(model, padded), _next_token_loss(loaded, padded)
             logits = loaded(input_ids=padded["input_ids"], use_cache=False).logits.float()
-            theirs = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), padded["labels"][:, 1:].flatten(),
-                                                       ignore_index=-100).item()
             # causal without a mask, as rows of one sequence run: a prefix's logits do not see what follows
             prefix = loaded(input_ids=padded["input_ids"][:1, :8], use_cache=False).logits.float()
             if not torch.allclose(prefix, logits[:1, :8], atol=1e-4):
@@ -175,6 +183,22 @@ def check_family(family: str, tmp: Path) -> Row:
     except Exception as e:  # noqa: BLE001
         row.status = f"fails: {_reason(e)}"
     return row
+
+
+def _loss(model, batch: dict) -> float:
+    """Our loss path, head and all: the mean over the batch's supervised tokens."""
+    from sft.training.loss import loss_inputs
+
+    inputs = loss_inputs(batch)
+    return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
+
+
+def _next_token_loss(model, batch: dict) -> float:
+    """transformers' logits and the next-token loss on them (the model's own `loss` does not shift
+    the labels in BART-era decoders and CPM-Ant: it expects them shifted already)."""
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits.float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(),
+                                             ignore_index=-100).item()
 
 
 def table(rows: list[Row]) -> str:
@@ -203,12 +227,15 @@ def main() -> None:
 HEADER = """# Does it take my model?
 
 <!-- generated with transformers {version} -->
-Every causal-LM family of transformers {version} (and the vision-language checkpoints whose
-language model has a causal class), as a tiny random model built from transformers' own config
-class, through the trainer's path on a CPU: built as a run builds it, initialised, {steps} steps
-of AdamW on one batch (the loss falls), packed rows against padded ones, and the export's layout
-loaded back by transformers (the same class; the next-token loss of its logits equals the trainer's,
-logit scales and soft caps included; causal without an attention mask, as rows of one sequence run).
+Every causal-LM family of transformers {version} (and vision-language checkpoints as transformers
+saves them), as a tiny random model built from transformers' own config class, through the
+trainer's path on a CPU: built as a run builds it, initialised (a vision-language checkpoint's
+language model from its files, its loss on text equal to transformers' vision-language class's where
+that class runs on text alone),
+{steps} steps of AdamW on one batch (the loss falls), packed rows against padded ones, and the
+export's layout loaded back by transformers (the same class, or our head on a text model without
+one; the next-token loss of its logits equals the trainer's, logit scales and soft caps included;
+causal without an attention mask, as rows of one sequence run).
 **{trains} of {total} train.** Generated by
 `python tests/zoo.py` (`make models-doc`); `tests/integration/test_model_zoo.py` checks every row.
 A family that is not built lists transformers' reason (most are encoder-decoder or audio models in

@@ -21,7 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
-from sft.models.vision_language import is_vision_language, language_model_config
+from sft.models.vision_language import is_vision_language, language_model_config, under_a_head
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
 # which adds nothing).
@@ -104,7 +104,7 @@ def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
     sdpa, flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture
     has (gpt-oss: no SDPA, for its attention sinks; Qwen3.5 in transformers 5.17: no flex). Remote
     code: `wanted`, for transformers to judge."""
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) or under_a_head(config)
     if cls is None or getattr(cls, _SUPPORTS.get(wanted, ""), True):
         return wanted
     if cls._supports_sdpa:
@@ -122,17 +122,21 @@ def build_meta_model(cfg: ModelConfig, constructed_below: int = 0) -> PreTrained
         raise ModelError(f"model.init={cfg.init!r}: model.name_or_path={cfg.name_or_path!r} is a vision-language "
                          "checkpoint, trained on text from its pretrained weights; set model.init: pretrained, or "
                          "give a directory with its text config alone for a random language model")
+    # its text model under a head of ours where transformers has no causal class for it (Qwen3-VL)
+    head = under_a_head(config.get_text_config(decoder=True)) if is_vision_language(config) else None
     try:
         config = language_model_config(config)
     except UserError as e:
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: {e}") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
+        attention = runnable_attention(config, cfg.attn_implementation)
         with parameters_on_meta(constructed_below):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=runnable_attention(config,
-                                                                                            cfg.attn_implementation),
-                                                     trust_remote_code=cfg.trust_remote_code)
+            if head is not None:
+                model = head._from_config(config, dtype=torch.float32, attn_implementation=attention)
+            else:
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention,
+                                                         trust_remote_code=cfg.trust_remote_code)
     except (ValueError, ImportError) as e:  # transformers refuses the config, or the attention kernel here
         reason = " ".join(str(e).split())
         if "ttention" in reason:

@@ -10,6 +10,11 @@ files hold them (`KEPT`), beside the original config.json, so that an export is 
 checkpoint: its config.json, its tensor names, the kept tensors byte for byte and the language
 model as trained. transformers loads it as the original class, and vLLM serves it.
 
+Where transformers ships no causal class for the text config but a text model class (Qwen3-VL,
+Qwen2.5-VL, GLM-4.xV: on text-only rows their multimodal rotary positions are the text positions in
+every section), the language model is that model under a head (`under_a_head`), with a causal
+class's names (`model.`, `lm_head.`); tests/zoo.py checks its loss against the vision-language class.
+
 The files name the language model's tensors under a prefix of their own: "model.language_model."
 as transformers 5 saves Qwen3.5 and Qwen3-VL, "language_model.model." as Gemma-3, Mistral-3 and
 Llama-4 were published; the head is `lm_head.weight` or `language_model.lm_head.weight`. Both are
@@ -19,10 +24,14 @@ found in the files (by the embedding's name and shape), not from a list of famil
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from transformers import AutoModelForCausalLM, PretrainedConfig
+import torch
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from sft.errors import UserError
 
@@ -43,13 +52,60 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
         return config
     text = copy.deepcopy(config.get_text_config(decoder=True))
     architecture = (config.architectures or [type(config).__name__])[0]
-    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None:
+    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None and under_a_head(text) is None:
         raise UserError(f"{architecture}: transformers has no causal language model class for its text config "
-                        f"({type(text).__name__}), so its language model cannot be trained alone yet")
+                        f"({type(text).__name__}), nor a model class, so its language model cannot be trained alone")
     tied = getattr(config, "tie_word_embeddings", None)
     text.tie_word_embeddings = getattr(text, "tie_word_embeddings", False) if tied is None else tied
     text.architectures = None  # it is the inner model, not the checkpoint's class
     return text
+
+
+def under_a_head(config: PretrainedConfig) -> type[PreTrainedModel] | None:
+    """For a text config transformers has no causal class for but a text model class (the language
+    model inside Qwen3-VL): a causal class of that model under a head (`_under_a_head`); else None."""
+    if AutoModelForCausalLM._model_mapping.get(type(config), None) is not None:
+        return None
+    base = AutoModel._model_mapping.get(type(config), None)
+    return None if base is None or not is_text_model(base) else _under_a_head(base)
+
+
+def is_text_model(cls: type[PreTrainedModel]) -> bool:
+    """Whether a model class takes text alone (what a vision-language checkpoint's text model does)."""
+    return tuple(getattr(cls, "input_modalities", ("text",))) == ("text",)
+
+
+@functools.cache
+def _under_a_head(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    """A causal language model class of transformers' text model class `base`: the model as `model`,
+    a bias-free Linear head as `lm_head` (tied to the embedding where the config ties them), the
+    names, attention implementations and weight init of `base`'s own family."""
+    family = next(c for c in base.__mro__[1:] if issubclass(c, PreTrainedModel))
+
+    class CausalLM(family, GenerationMixin):
+        config_class = base.config_class
+        base_model_prefix = "model"
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = base(config)
+            self.vocab_size = config.vocab_size
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None, past_key_values=None,
+                    inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                    **kwargs) -> CausalLMOutputWithPast:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+            return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state),
+                                          past_key_values=out.past_key_values)
+
+    CausalLM.__name__ = CausalLM.__qualname__ = base.__name__.removesuffix("Model") + "ForCausalLM"
+    return CausalLM
 
 
 @dataclass(frozen=True)

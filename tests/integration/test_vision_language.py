@@ -23,13 +23,14 @@ def _tensors(directory) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("gemma3", 1)])
+@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("gemma3", 1), ("qwen3_vl", 1)])
 def test_vision_language_checkpoint_trains_its_language_model_and_exports_the_original(tmp_path, demo_data,
                                                                                         model_type, nproc):
-    """Qwen3.5 (files under model.language_model., Gated DeltaNet) and Gemma-3 (files as published,
-    under language_model.model., tied): the run's first eval equals transformers' own vision-language
-    class on the original files, its last eval equals that class loaded from the export; the export
-    has the original's config.json and tensor names, and its vision tensors are the original's."""
+    """Qwen3.5 (files under model.language_model., Gated DeltaNet), Gemma-3 (files as published,
+    under language_model.model., tied) and Qwen3-VL (its text model has no causal class in transformers:
+    trained under our head): the run's first eval equals transformers' own vision-language class on the
+    original files, its last eval equals that class loaded from the export; the export has the
+    original's config.json and tensor names, and its vision tensors are the original's."""
     from transformers import AutoModelForImageTextToText
 
 
