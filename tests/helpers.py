@@ -264,7 +264,7 @@ VISION_LANGUAGE = {
                                                                           rope_theta=10000.0)),
                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                           out_hidden_size=64, fullatt_block_indexes=[0])),
-    # GLM-4.1V / 4.5V / 4.6V's dense text model (partial multimodal rotary)
+    # GLM-4.1V: a dense text model with partial multimodal rotary
     "glm4v": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
                                                                      rope_theta=10000.0, partial_rotary_factor=0.5)),
                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),

@@ -99,12 +99,12 @@ _SUPPORTS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
              "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
 
 
-def runnable_attention(config: PretrainedConfig, wanted: str) -> str:
+def runnable_attention(config: PretrainedConfig, wanted: str, cls: type[PreTrainedModel] | None = None) -> str:
     """`wanted` (model.attn_implementation) where the architecture can run it, else the first it can of
     sdpa, flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture
     has (gpt-oss: no SDPA, for its attention sinks; Qwen3.5 in transformers 5.17: no flex). Remote
-    code: `wanted`, for transformers to judge."""
-    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) or under_a_head(config)
+    code: `wanted`, for transformers to judge. `cls`: the class built, where not transformers' causal one."""
+    cls = cls or AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is None or getattr(cls, _SUPPORTS.get(wanted, ""), True):
         return wanted
     if cls._supports_sdpa:
@@ -123,14 +123,14 @@ def build_meta_model(cfg: ModelConfig, constructed_below: int = 0) -> PreTrained
                          "checkpoint, trained on text from its pretrained weights; set model.init: pretrained, or "
                          "give a directory with its text config alone for a random language model")
     # its text model under a head of ours where transformers has no causal class for it (Qwen3-VL)
-    head = under_a_head(config.get_text_config(decoder=True)) if is_vision_language(config) else None
+    head = under_a_head(config) if is_vision_language(config) else None
     try:
         config = language_model_config(config)
     except UserError as e:
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: {e}") from None
     config.use_cache = False  # no KV cache while training (and packing relies on it being off)
     try:
-        attention = runnable_attention(config, cfg.attn_implementation)
+        attention = runnable_attention(config, cfg.attn_implementation, head)
         with parameters_on_meta(constructed_below):
             if head is not None:
                 model = head._from_config(config, dtype=torch.float32, attn_implementation=attention)
@@ -144,6 +144,9 @@ def build_meta_model(cfg: ModelConfig, constructed_below: int = 0) -> PreTrained
                              "flex_attention for packed rows, eager where neither runs)") from None
         raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: transformers cannot build a model from its "
                          f"config.json ({reason})") from None
+    if head is not None and any(getattr(m, "is_causal", True) is False for m in model.modules()):
+        raise ModelError(f"model.name_or_path={cfg.name_or_path!r}: its text model ({head.__name__}) does not attend "
+                         "causally, so it cannot be trained as a causal language model")
     model.tie_weights()  # from_config under init_empty_weights leaves tied embeddings as two tensors
     return model
 

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin,
+                          PretrainedConfig, PreTrainedModel)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from sft.errors import UserError
@@ -52,9 +53,10 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
         return config
     text = copy.deepcopy(config.get_text_config(decoder=True))
     architecture = (config.architectures or [type(config).__name__])[0]
-    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None and under_a_head(text) is None:
+    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None and under_a_head(config) is None:
         raise UserError(f"{architecture}: transformers has no causal language model class for its text config "
-                        f"({type(text).__name__}), nor a model class, so its language model cannot be trained alone")
+                        f"({type(text).__name__}), nor a text model class to put under a head, so its language model "
+                        "cannot be trained alone")
     tied = getattr(config, "tie_word_embeddings", None)
     text.tie_word_embeddings = getattr(text, "tie_word_embeddings", False) if tied is None else tied
     text.architectures = None  # it is the inner model, not the checkpoint's class
@@ -62,17 +64,23 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
 
 
 def under_a_head(config: PretrainedConfig) -> type[PreTrainedModel] | None:
-    """For a text config transformers has no causal class for but a text model class (the language
-    model inside Qwen3-VL): a causal class of that model under a head (`_under_a_head`); else None."""
-    if AutoModelForCausalLM._model_mapping.get(type(config), None) is not None:
+    """For the text config of a vision-language checkpoint `config` (an image-text-to-text model)
+    that transformers has no causal class for but a text model class (Qwen3-VL's): a causal class
+    of that model under a head (`_under_a_head`); else None. build_meta_model refuses one whose
+    attention does not attend causally (a text encoder's)."""
+    if AutoModelForImageTextToText._model_mapping.get(type(config), None) is None:
         return None
-    base = AutoModel._model_mapping.get(type(config), None)
+    text = config.get_text_config(decoder=True)
+    if AutoModelForCausalLM._model_mapping.get(type(text), None) is not None:
+        return None
+    base = AutoModel._model_mapping.get(type(text), None)
     return None if base is None or not is_text_model(base) else _under_a_head(base)
 
 
 def is_text_model(cls: type[PreTrainedModel]) -> bool:
     """Whether a model class takes text alone (what a vision-language checkpoint's text model does)."""
-    return tuple(getattr(cls, "input_modalities", ("text",))) == ("text",)
+    modalities = getattr(cls, "input_modalities", ("text",))
+    return (modalities,) == ("text",) if isinstance(modalities, str) else tuple(modalities) == ("text",)
 
 
 @functools.cache
@@ -94,17 +102,18 @@ def _under_a_head(base: type[PreTrainedModel]) -> type[PreTrainedModel]:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             self.post_init()
 
-        def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                    position_ids: torch.Tensor | None = None, past_key_values=None,
-                    inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+        def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                     **kwargs) -> CausalLMOutputWithPast:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
-            return CausalLMOutputWithPast(logits=self.lm_head(out.last_hidden_state),
-                                          past_key_values=out.past_key_values)
+            # the text model's own arguments as this transformers names them (its cache among them)
+            out = self.model(input_ids=input_ids, **kwargs)
+            logits = self.lm_head(out.last_hidden_state)
+            loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                          past_key_values=getattr(out, "past_key_values", None))
 
     CausalLM.__name__ = CausalLM.__qualname__ = base.__name__.removesuffix("Model") + "ForCausalLM"
+    CausalLM.__module__ = __name__
+    globals()[CausalLM.__name__] = CausalLM  # found by its name: instances pickle
     return CausalLM
 
 
