@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from sft.config import is_local_path
 from sft.errors import UserError, run_command
 from sft.models.peft_format import CONFIG_FILE, merged, read_adapter, unmatched
-from sft.models.vision_language import is_vision_language
+from sft.models.vision_language import causal_class, is_vision_language
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> None:
             for name, param in model.named_parameters(remove_duplicate=False):  # a tied lm_head by its name too
                 param.copy_(merged(name, param, trained, scaling, model))
     else:  # a vision-language export whose text model has no causal class (Qwen3-VL): the original class
-        causal = not is_vision_language(config := AutoConfig.from_pretrained(args.model_dir)) or \
-            AutoModelForCausalLM._model_mapping.get(type(config), None) is not None
-        model = (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_pretrained(args.model_dir,
-                                                                                                    dtype="auto")
+        config = AutoConfig.from_pretrained(args.model_dir)
+        vision_only = is_vision_language(config) and causal_class(config) is None
+        model = (AutoModelForImageTextToText if vision_only else AutoModelForCausalLM).from_pretrained(
+            args.model_dir, dtype="auto")
     model = model.to(device).train(False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")

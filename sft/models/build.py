@@ -21,7 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
-from sft.models.vision_language import is_vision_language, language_model_config, under_a_head
+from sft.models.vision_language import causal_class, is_vision_language, language_model_config, under_a_head
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
 # which adds nothing).
@@ -104,7 +104,7 @@ def runnable_attention(config: PretrainedConfig, wanted: str, cls: type[PreTrain
     sdpa, flex_attention (on GPUs: flex has no backward on CPUs) and eager, which every architecture
     has (gpt-oss: no SDPA, for its attention sinks; Qwen3.5 in transformers 5.17: no flex). Remote
     code: `wanted`, for transformers to judge. `cls`: the class built, where not transformers' causal one."""
-    cls = cls or AutoModelForCausalLM._model_mapping.get(type(config), None)
+    cls = cls or causal_class(config)
     if cls is None or getattr(cls, _SUPPORTS.get(wanted, ""), True):
         return wanted
     if cls._supports_sdpa:

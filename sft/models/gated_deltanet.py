@@ -107,24 +107,23 @@ def kernel_problem(model_name: str, capability: tuple[int, int], triton_version:
     return None
 
 
-def install_gated_deltanet_functions(model: PreTrainedModel) -> None:
+def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
     """Put this module's convolution and delta rule in the place of the functions `model`'s Gated
-    DeltaNet layers call (once per modeling module)."""
+    DeltaNet layers call (once per modeling module); whether it has such layers."""
     kernels = fla_kernels()  # resolved here: under torch.compile the functions below only read it
-    for module in modeling_modules(model):
+    modules = modeling_modules(model)
+    for module in modules:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
             module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels)
             module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule, kernels)
+    return bool(modules)
 
 
 def use_gated_deltanet_kernels(model: PreTrainedModel, device: torch.device) -> None:
     """`model`'s Gated DeltaNet layers on this module's functions (fla's kernels on a GPU), said once;
     on a GPU where they cannot take fla's kernels (kernel_problem), a warning or one line that stops
     the run, before anything is allocated."""
-    if not modeling_modules(model):
-        return
-    install_gated_deltanet_functions(model)
-    if device.type != "cuda":
+    if not install_gated_deltanet_functions(model) or device.type != "cuda":
         return
     kernels = fla_kernels()
     triton = importlib.import_module("triton").__version__ if kernels is not None else None

@@ -40,6 +40,11 @@ from sft.errors import UserError
 KEPT = "kept.safetensors"
 
 
+def causal_class(config: PretrainedConfig) -> type[PreTrainedModel] | None:
+    """transformers' causal language model class for `config`, None where it ships none."""
+    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+
+
 def is_vision_language(config: PretrainedConfig) -> bool:
     """Whether config.json describes a model with a language model inside it (a text_config beside a
     vision or audio one; not an encoder-decoder's decoder)."""
@@ -53,7 +58,7 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig:
         return config
     text = copy.deepcopy(config.get_text_config(decoder=True))
     architecture = (config.architectures or [type(config).__name__])[0]
-    if AutoModelForCausalLM._model_mapping.get(type(text), None) is None and under_a_head(config) is None:
+    if causal_class(text) is None and under_a_head(config) is None:
         raise UserError(f"{architecture}: transformers has no causal language model class for its text config "
                         f"({type(text).__name__}), nor a text model class to put under a head, so its language model "
                         "cannot be trained alone")
@@ -71,7 +76,7 @@ def under_a_head(config: PretrainedConfig) -> type[PreTrainedModel] | None:
     if AutoModelForImageTextToText._model_mapping.get(type(config), None) is None:
         return None
     text = config.get_text_config(decoder=True)
-    if AutoModelForCausalLM._model_mapping.get(type(text), None) is not None:
+    if causal_class(text) is not None:
         return None
     base = AutoModel._model_mapping.get(type(text), None)
     return None if base is None or not is_text_model(base) else _under_a_head(base)
