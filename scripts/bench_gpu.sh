@@ -77,8 +77,9 @@
 #             in bf16 and float8 tensorwise
 #             (ONLY=regex picks)
 #   qwen35peer  the peer on that model, same GPUs (PEER_DIR: a copy of the peer's scripts): TRL + Liger on P-7B
-#             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2"; none
-#             skips them)
+#             rows (PEER_VARIANTS, default "noac_liger liger") and on V-7B rows (PEER_VARLEN, default "pack2"); none
+#             skips either. On a host of 4 GPUs both can run side by side: ours with CUDA_VISIBLE_DEVICES=0,1 NGPU=2,
+#             the peer with CUDA_VISIBLE_DEVICES=2,3 NGPU=2 (run `info` first: it installs the wheels once)
 #   qwen35big issue #45, for 2 x H200: the largest dense Qwen3.5 shapes (configs/models/qwen3.5-27b) on P-7B rows,
 #             plan.auto with lean state allowed
 #   Qwen3.5 needs fla-core, and on Hopper tilelang (Triton < 3.7.1 computes one of fla's backward kernels wrongly
@@ -654,10 +655,10 @@ RUNS
       ;;
     qwen35peer)
       python3 -c "import fla, tilelang, liger_kernel" || { echo "qwen35peer needs fla-core, tilelang, liger_kernel"; exit 1; }
-      OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARIANTS:-noac_liger liger} \
-        bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/qwen35.md
+      [ "${PEER_VARIANTS:-}" = none ] || OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text \
+        VARIANTS=${PEER_VARIANTS:-noac_liger liger} bash "$PEER_DIR/run_trl_fixed.sh" | tee -a runs/bench/qwen35peer.md
       [ "${PEER_VARLEN:-}" = none ] || OUT=$LOGS/peer NGPU=$NGPU MODEL=hf:qwen3_5_text VARIANTS=${PEER_VARLEN:-pack2} \
-        bash "$PEER_DIR/run_trl_varlen.sh" | tee -a runs/bench/qwen35.md ;;
+        bash "$PEER_DIR/run_trl_varlen.sh" | tee -a runs/bench/qwen35peer.md ;;
     qwen35big)
       p7b_data
       ac_runs qwen35big <<RUNS

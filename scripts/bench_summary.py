@@ -21,6 +21,8 @@ from sft.training.metrics import read_metrics
 def summarise(run_dir: Path, warmup: int) -> dict:
     by_step, _ = read_metrics(run_dir)
     steps = [by_step[s] for s in sorted(by_step)]
+    if not steps:  # stopped before its first step (a timeout during compilation): a row that says so
+        return {"run": run_dir.name, "steps": 0}
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     first, last = (config.get("logging") or {}).get("profile_steps") or (0, -1)
     steady = [r for r in steps[warmup:] if not first <= r["step"] <= last] or steps
@@ -29,12 +31,11 @@ def summarise(run_dir: Path, warmup: int) -> dict:
            "tok/s/gpu": statistics.median(r["tokens_per_s_per_gpu"] for r in steady),
            "sup tok/s/gpu": statistics.median(r["supervised_tokens_per_s_per_gpu"] for r in steady),
            "peak GiB": max(r["peak_memory_gib"] for r in steps),
-           "startup s": steps[0].get("startup_s", float("nan")) if steps else float("nan"),
-           "first step s": steps[0]["step_time"] if steps else float("nan"),
-           "final loss": steps[-1]["loss"] if steps else float("nan")}
-    if steady and "mfu" in steady[0]:
+           "startup s": steps[0].get("startup_s", float("nan")),
+           "first step s": steps[0]["step_time"], "final loss": steps[-1]["loss"]}
+    if "mfu" in steady[0]:
         out["MFU"] = statistics.median(r["mfu"] for r in steady)
-    if steady and "alloc_retries" in steady[0]:  # GPUs: the caching allocator (sft/training/metrics.py:AllocatorStats)
+    if "alloc_retries" in steady[0]:  # GPUs: the caching allocator (sft/training/metrics.py:AllocatorStats)
         out["reserved GiB"] = max(r["peak_reserved_gib"] for r in steps)
         out["retries (steady)"] = sum(r["alloc_retries"] for r in steady)
     return out

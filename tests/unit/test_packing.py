@@ -1,6 +1,7 @@
 """Packing: documents in one row never see each other, and the loss is unchanged (CPU, sdpa)."""
 
 import copy
+import math
 import random
 
 import pytest
@@ -119,8 +120,21 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     model.zero_grad()
     decoder(input_ids=row, position_ids=positions, use_cache=False,
             **{DOCUMENT_ENDS: ends}).last_hidden_state.square().sum().backward()
-    for name, grad in alone_grads.items():  # float32 sums in another order: within 1e-3 of the largest entry
-        assert (model.get_parameter(name).grad - grad).abs().max() <= 1e-3 * grad.abs().max(), name
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state.square().sum().backward()
+
+    def worst(grads) -> tuple[float, str]:  # the largest difference from the documents alone, relative to
+        errors = {n: ((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()  # the tensor's
+                  for n, g in alone_grads.items()}  # largest entry; a NaN counts as the worst
+        name = max(errors, key=lambda n: (math.isnan(errors[n]), errors[n]))
+        return errors[name], name
+    # float32 sums in another order: within 1e-3 of a tensor's largest entry; fla's TF32 products within
+    # 1e-2 (on an H200 the first tensor compared, a Gated DeltaNet layer's dt_bias, was off by 1.2e-3)
+    error, name = worst(packed_grads)
+    assert error <= (1e-3 if device == "cpu" else 1e-2), (name, error)
+    error, name = worst({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert error > 0.1, (name, error)  # without the document ends: far off (1.49 on the CPU)
     assert document_ends(torch.arange(8).expand(3, 8)) is None  # rows of one document each: nothing to keep apart
 
 

@@ -67,9 +67,12 @@ MEASURED = {
     ("qwen2.5-7b", 4, 32768, 1.0, True, True, 1, False, False, "attention", 4): 45.9,
     # 2 x H200, Qwen3.5-9B (24 Gated DeltaNet blocks on flash-linear-attention's kernels, 8 attention
     # blocks), P-7B rows (docs/BENCHMARKS.md, issue #45): 1 row a micro-batch, grad-acc 2, no
-    # checkpointing (the Gated DeltaNet term is fitted on it); 2 rows, ac 1
+    # checkpointing (the Gated DeltaNet term is fitted on it); 2 rows, ac 1; 2 rows without
+    # checkpointing (plan.auto's choice), bf16 and float8 tensorwise
     ("qwen3.5-9b", 2, 4096, 0.0, True, True, 2, False, False, "blocks", 1): 99.6,
     ("qwen3.5-9b", 2, 8192, 1.0, True, True, 1, False, False, "blocks", 1): 76.2,
+    ("qwen3.5-9b", 2, 8192, 0.0, True, True, 1, False, False, "blocks", 1): 104.0,
+    ("qwen3.5-9b", 2, 8192, 0.0, True, True, 1, False, True, "blocks", 1): 94.6,
 }
 
 
@@ -491,6 +494,27 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_lean_state_before_exp
     cfg.moe.ep_degree = 2
     assert [usable_fraction(s, cfg, ratio, mode) for ratio, mode in ((1, "ops"), (1, "ops_half"), (0.5, "blocks"),
                                                                    (1, "attention"), (1, "blocks"))] == [0.8] * 3 + [0.9] * 2
+
+
+@pytest.mark.parametrize("allow_lean", [True, False])
+def test_auto_plan_fits_the_largest_dense_qwen35_on_two_h200_with_lean_state(tmp_path, allow_lean):
+    """Qwen3.5 of 27B shapes (26.9B parameters) on 2 x 140.4 GiB (P-7B rows): 16 bytes of state a
+    parameter are 200 GiB a GPU, so nothing fits; allowed, plan.auto takes 8 (bf16 moments, master
+    weights and reduction) with every block checkpointed. Measured (docs/BENCHMARKS.md, issue #45):
+    peak 111.0 GiB, within 10% of its prediction."""
+    from sft.plan import apply_auto_plan
+
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3.5-27b",
+                               "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}")
+    if not allow_lean:
+        with pytest.raises(ConfigError, match="nothing fits"):
+            apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+        return
+    line = apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+    assert line.startswith("plan.auto: optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 "
+                           "fsdp.reduce_dtype=bfloat16 ac.ratio=1 ac.mode=blocks train.micro_batch_size=2 ")
+    predicted = float(line.split("(predicted ")[1].split(" GiB")[0])
+    assert predicted == pytest.approx(111.0, rel=0.10)
 
 
 def test_auto_plan_takes_expert_parallelism_alone_where_it_is_enough(tmp_path):
