@@ -259,6 +259,13 @@ VISION_LANGUAGE = {
                                                                         mrope_interleaved=True, rope_theta=10000.0)),
                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                         deepstack_visual_indexes=[0])),
+    # Qwen3-VL-MoE: its text model with routed experts in every block (Qwen3-VL-30B-A3B, -235B-A22B)
+    "qwen3_vl_moe": dict(text_config=dict(_TINY_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          decoder_sparse_step=1,
+                                          rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                               mrope_interleaved=True, rope_theta=10000.0)),
+                         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                            out_hidden_size=64, deepstack_visual_indexes=[0])),
     # Qwen2.5-VL: the same kind of text model (multimodal rotary sections), a windowed vision tower
     "qwen2_5_vl": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
                                                                           rope_theta=10000.0)),
