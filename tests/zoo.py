@@ -33,6 +33,9 @@ OVERRIDES = {
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
     "phimoe": {"router_jitter_noise": 0.0},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
+    # transformers' default LFM2 config attends in every layer; its checkpoints interleave short convolutions
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
 STEPS = 4
 MAX_PARAMETERS = 30e6  # a family whose config ignores the tiny widths is listed, not built
@@ -246,7 +249,7 @@ the causal-LM mapping, or need a config this generic tiny one does not give them
 Columns: *kind* — dense, MoE (our path: the model's routing with grouped-GEMM experts and expert
 parallelism; general path: transformers' block as it is), hybrid (layers that carry state along
 the row), vision-language (the language model trained alone, the original exported:
-docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet: every document restarts the state),
+docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet, short convolutions: every document restarts the state),
 or refused with the layers named; *context parallelism* and *expert parallelism* — whether
 `cp.degree` and `moe.ep_degree` take it; *LoRA* — the Linear layers `all-linear` adapts.
 

@@ -1,5 +1,6 @@
 """Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid): the kernels they run, and
-each packed document restarting their state.
+each packed document restarting their state; and the same short convolution where it is a layer's
+only state (LFM2's ShortConv).
 
 transformers' Gated DeltaNet layers call two functions of their modeling module, `causal_conv1d_fn`
 and `torch_chunk_gated_delta_rule`. transformers chooses what those run when the module is first
@@ -19,7 +20,9 @@ layers:
 
 A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/training/loss.py passes
 them for packed rows of a model that sft/models/packing.py's `enable_exact_packing` marked);
-transformers passes the keyword arguments of the model's call on to both functions.
+transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
+convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
+(`short_convolution_modules`), so that they restart at each document as well.
 """
 
 from __future__ import annotations
@@ -74,6 +77,13 @@ def modeling_modules(model: PreTrainedModel) -> list[object]:
     return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"))]
 
 
+def short_convolution_modules(model: PreTrainedModel) -> list[object]:
+    """The modeling modules of `model`'s short convolution layers (LFM2's ShortConv: a causal depthwise
+    convolution is all they carry along the row) that call `causal_conv1d_fn`."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("ShortConv")}
+    return [m for m in modules if hasattr(m, "causal_conv1d_fn")]
+
+
 @functools.cache
 def fla_kernels() -> SimpleNamespace | None:
     """flash-linear-attention's chunked gated delta rule and causal convolution (and the keyword
@@ -109,13 +119,16 @@ def kernel_problem(model_name: str, capability: tuple[int, int], triton_version:
 
 def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
     """Put this module's convolution and delta rule in the place of the functions `model`'s Gated
-    DeltaNet layers call (once per modeling module); whether it has such layers."""
+    DeltaNet layers call, and its convolution in the place of its short convolution layers' (once per
+    modeling module); whether it has Gated DeltaNet layers."""
     kernels = fla_kernels()  # resolved here: under torch.compile the functions below only read it
     modules = modeling_modules(model)
-    for module in modules:
+    for module in {*modules, *short_convolution_modules(model)}:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
             module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels)
-            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule, kernels)
+            if module in modules:
+                module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule,
+                                                                              kernels)
     return bool(modules)
 
 

@@ -138,6 +138,44 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     assert document_ends(torch.arange(8).expand(3, 8)) is None  # rows of one document each: nothing to keep apart
 
 
+def test_short_convolutions_restart_in_a_packed_row():
+    """LFM2's short convolution layers (a causal depthwise convolution over the row, between attention
+    layers): packing puts the document-aware convolution in place, and a packed row of three documents,
+    its document ends passed on, gives each document the hidden states and gradients it gets alone;
+    without them the taps reach into the previous document. Context parallelism still refuses them."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_config
+    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
+    from sft.models.packing import check_packing, cp_unsupported
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("lfm2", num_hidden_layers=3,
+                                                                     layer_types=["conv", "full_attention", "conv"]))
+    check_packing(model, packing=True)
+    assert model.sft_document_ends
+    assert cp_unsupported(model, moe=False) == "Lfm2ForCausalLM's conv layers (Lfm2ShortConv) carry state along the row"
+    documents = [torch.randint(3, 800, (n,)) for n in (5, 9, 1)]  # shorter and longer than the 3 taps
+    decoder = model.get_decoder()
+    alone = [decoder(input_ids=d[None], position_ids=torch.arange(len(d))[None], use_cache=False).last_hidden_state[0]
+             for d in documents]
+    row, positions = torch.cat(documents)[None], torch.cat([torch.arange(len(d)) for d in documents])[None]
+    ends = document_ends(positions)
+    packed = decoder(input_ids=row, position_ids=positions, use_cache=False,
+                     **{DOCUMENT_ENDS: DocumentEnds(ends, ends)}).last_hidden_state
+    torch.testing.assert_close(packed[0], torch.cat(alone), rtol=1e-5, atol=1e-5)
+    mixed = decoder(input_ids=row, position_ids=positions, use_cache=False).last_hidden_state[0]
+    assert (mixed[5:7] - torch.cat(alone)[5:7]).abs().max() > 1e-3  # the taps reached the first document
+    model.zero_grad()
+    sum(h.square().sum() for h in alone).backward()
+    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    decoder(input_ids=row, position_ids=positions, use_cache=False,
+            **{DOCUMENT_ENDS: DocumentEnds(ends, ends)}).last_hidden_state.square().sum().backward()
+    for name, grad in alone_grads.items():  # float32 sums in another order
+        assert (model.get_parameter(name).grad - grad).abs().max() <= 1e-4 * grad.abs().max(), name
+
+
 def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_path):
     """Layers that carry state along the row other than Gated DeltaNet (Mamba: Falcon-H1, Nemotron-H,
     Granite-4 hybrids; Kimi's delta attention) are refused for packing, naming the layers; context
@@ -154,7 +192,7 @@ def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_pat
     with pytest.raises(PackingError) as err:
         check_packing(mamba, packing=True)
     assert str(err.value).startswith("data.packing=true: FalconH1ForCausalLM's hybrid layers (FalconH1Mixer)")
-    assert "only Gated DeltaNet layers restart per document yet; set data.packing=false" in str(err.value)
+    assert "only Gated DeltaNet and short convolution layers restart per document yet; set data.packing=false" in str(err.value)
     check_packing(mamba, packing=False)
     hybrid = build_meta_model(ModelConfig(name_or_path=str(gated_deltanet_model_dir(tmp_path))))
     check_packing(hybrid, packing=True)
