@@ -235,6 +235,21 @@ def gated_deltanet_model_dir(tmp: Path) -> Path:
     return out
 
 
+def short_convolution_model_dir(tmp: Path) -> Path:
+    """A tiny LFM2 model (short convolution layers between attention layers: transformers' own config
+    class) with the demo tokenizer."""
+    from transformers import AutoConfig
+
+    out = tmp / "model_lfm2"
+    if not out.exists():
+        shutil.copytree(DEMO_MODEL, out)
+        AutoConfig.for_model("lfm2", vocab_size=899, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0,
+                             layer_types=["conv", "full_attention", "conv", "full_attention"],
+                             tie_word_embeddings=False).save_pretrained(out)
+    return out
+
+
 
 # Tiny vision-language checkpoints as transformers saves them (the language model's config as the
 # demo's where the family allows), each family with its text and vision configs.

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import gated_deltanet_model_dir, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun
+from helpers import (gated_deltanet_model_dir, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun,
+                     short_convolution_model_dir)
 from sft.training.metrics import read_metrics
 
 
@@ -17,7 +18,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
             # fewer experts than ranks: expert weights sharded on their rows (Shard(1))
             "moe, 1 expert": moe_model_dir(tmp, num_experts=1, num_experts_per_tok=1), "gpt-oss": gpt_oss_model_dir(tmp),
             # Qwen3.5's Gated DeltaNet layers (state along the row) and attention: packed rows restart it per document
-            "hybrid": gated_deltanet_model_dir(tmp)}
+            "hybrid": gated_deltanet_model_dir(tmp),
+            # LFM2's short convolutions between attention layers: packed rows restart them per document
+            "short conv": short_convolution_model_dir(tmp)}
 
 
 def launch(out: Path, nproc: int, runs: dict[str, list[str]]) -> None:
@@ -61,6 +64,7 @@ EQUIVALENT = [
     ("gated deltanet, 2 ranks, packed rows", "hybrid", 2, ["--grad-accum", "4", "--packed"], 1e-5, 1e-7),
     ("gated deltanet, packed, checkpointed and compiled", "hybrid", 2,
      ["--grad-accum", "4", "--packed", "--ac-ratio", "1", "--compile"], 1e-5, 1e-7),
+    ("short convolutions, 2 ranks, packed rows", "short conv", 2, ["--grad-accum", "4", "--packed"], 1e-5, 1e-7),
 ]
 
 
@@ -156,7 +160,7 @@ def runs(tmp_path_factory, models):
     state per run (seed, compile caches); every run uses the same global batch."""
     out = tmp_path_factory.mktemp("runs")
     model = {tie: ["--model", str(path)] for tie, path in models.items()}
-    launches = {1: {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied", "hybrid")}, 4: {},
+    launches = {1: {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied", "hybrid", "short conv")}, 4: {},
                 2: {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
                     "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"],
                     "cp leakage probe": [*model["untied"], "--cp", "2", "--leakage-probe"]}}
