@@ -36,6 +36,10 @@ OVERRIDES = {
     # transformers' default LFM2 config attends in every layer; its checkpoints interleave short convolutions
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # Kimi-Linear's checkpoints interleave its full attention (multi-head latent: as many key/value heads
+    # as query heads) with Kimi delta attention; two generic tiny layers would both be the latter
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "num_key_value_heads": 4,
+                    "linear_num_heads": 2, "linear_head_dim": 16},
 }
 STEPS = 4
 MAX_PARAMETERS = 30e6  # a family whose config ignores the tiny widths is listed, not built
@@ -249,7 +253,8 @@ the causal-LM mapping, or need a config this generic tiny one does not give them
 Columns: *kind* — dense, MoE (our path: the model's routing with grouped-GEMM experts and expert
 parallelism; general path: transformers' block as it is), hybrid (layers that carry state along
 the row), vision-language (the language model trained alone, the original exported:
-docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet, short convolutions: every document restarts the state),
+docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet, Kimi delta attention, short convolutions: every document
+restarts the state),
 or refused with the layers named; *context parallelism* and *expert parallelism* — whether
 `cp.degree` and `moe.ep_degree` take it; *LoRA* — the Linear layers `all-linear` adapts.
 

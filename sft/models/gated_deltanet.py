@@ -1,6 +1,6 @@
 """Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid): the kernels they run, and
-each packed document restarting their state; and the same short convolution where it is a layer's
-only state (LFM2's ShortConv).
+each packed document restarting their state; the same for Kimi's delta attention (Kimi-Linear), and
+for a short convolution where it is a layer's only state (LFM2's ShortConv).
 
 transformers' Gated DeltaNet layers call two functions of their modeling module, `causal_conv1d_fn`
 and `torch_chunk_gated_delta_rule`. transformers chooses what those run when the module is first
@@ -22,7 +22,10 @@ A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/tr
 them for packed rows of a model that sft/models/packing.py's `enable_exact_packing` marked);
 transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
 convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
-(`short_convolution_modules`), so that they restart at each document as well.
+(`short_convolution_modules`), so that they restart at each document as well. Kimi's delta attention
+layers call that convolution and `chunk_kimi_delta_attention` (`kimi_delta_modules`): for a packed row
+that runs one document at a time, through whatever transformers chose for it (fla's kernel on a GPU
+where fla is installed; flash-linear-attention's varlen form of it is not used yet).
 """
 
 from __future__ import annotations
@@ -84,6 +87,19 @@ def short_convolution_modules(model: PreTrainedModel) -> list[object]:
     return [m for m in modules if hasattr(m, "causal_conv1d_fn")]
 
 
+# Class names of Kimi delta attention layers: Kimi-Linear's KimiLinearDeltaAttention, GLM-5-Next's
+# Glm5NextTextLinearAttention (Kimi-Linear's full attention, KimiLinearAttention, says is_causal)
+KIMI_DELTA_LAYERS = ("DeltaAttention", "LinearAttention")
+
+
+def kimi_delta_modules(model: PreTrainedModel) -> list[object]:
+    """The modeling modules of `model`'s Kimi delta attention layers that call the convolution and
+    `chunk_kimi_delta_attention`."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()
+               if any(k in type(m).__name__ for k in KIMI_DELTA_LAYERS) and not hasattr(m, "is_causal")}
+    return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "chunk_kimi_delta_attention"))]
+
+
 @functools.cache
 def fla_kernels() -> SimpleNamespace | None:
     """flash-linear-attention's chunked gated delta rule and causal convolution (and the keyword
@@ -119,16 +135,19 @@ def kernel_problem(model_name: str, capability: tuple[int, int], triton_version:
 
 def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
     """Put this module's convolution and delta rule in the place of the functions `model`'s Gated
-    DeltaNet layers call, and its convolution in the place of its short convolution layers' (once per
-    modeling module); whether it has Gated DeltaNet layers."""
+    DeltaNet layers call, its convolution and document-wise Kimi delta attention in the place of those
+    of its Kimi delta attention layers, and its convolution in the place of its short convolution
+    layers' (once per modeling module); whether it has Gated DeltaNet layers."""
     kernels = fla_kernels()  # resolved here: under torch.compile the functions below only read it
-    modules = modeling_modules(model)
-    for module in {*modules, *short_convolution_modules(model)}:
+    modules, kimi = modeling_modules(model), kimi_delta_modules(model)
+    for module in {*modules, *kimi, *short_convolution_modules(model)}:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
             module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels)
             if module in modules:
                 module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule,
                                                                               kernels)
+            if module in kimi:
+                module.chunk_kimi_delta_attention = _kimi_delta_by_document(module.chunk_kimi_delta_attention)
     return bool(modules)
 
 
@@ -217,3 +236,28 @@ def _delta_rule_by_document(original, kernels: SimpleNamespace | None):
         return out.reshape(batch, length, *out.shape[2:]), None
 
     return chunk_gated_delta_rule
+
+
+def _kimi_delta_by_document(original):
+    reference = getattr(original, "__wrapped__", original)  # transformers' torch function
+
+    @torch.compiler.disable  # a loop over the row's documents: compiled, it would recompile for every packing
+    def by_document(function, flat: list[torch.Tensor], ends: torch.Tensor, **kwargs) -> torch.Tensor:
+        bounds = ends.tolist()
+        return torch.cat([function(*(t[:, start:end] for t in flat[:3]), g=flat[3][:, start:end],
+                                   beta=flat[4][:, start:end], **kwargs)[0]
+                          for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
+
+    @functools.wraps(original)
+    def chunk_kimi_delta_attention(query, key, value, g, beta, **kwargs):
+        ends = kwargs.pop(DOCUMENT_ENDS, None)
+        function = original if query.is_cuda else reference  # (transformers' choice may be fla: GPU-only)
+        if ends is None:
+            return function(query, key, value, g=g, beta=beta, **kwargs)
+        batch, length = query.shape[:2]
+        flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
+        # every document from a zero state, as if it had a row of its own
+        out = by_document(function, flat, ends.on_host, **kwargs)
+        return out.reshape(batch, length, *out.shape[2:]), None
+
+    return chunk_kimi_delta_attention

@@ -11,9 +11,10 @@ A recurrent or convolutional layer does not look at positions: Gated DeltaNet (Q
 Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention carry
 their state from one document into the next. Gated DeltaNet is packed exactly: given the
 documents' ends, every document restarts its recurrent state and its short convolution, as if it had
-a row of its own (sft/models/gated_deltanet.py); so are LFM2's short convolution layers (a short
-convolution is all they carry). `check_packing` puts those layers' document-aware functions in place
-and marks the model to pass the ends (`enable_exact_packing`).
+a row of its own (sft/models/gated_deltanet.py); so are Kimi's delta attention layers (Kimi-Linear)
+and LFM2's short convolution layers (a short convolution is all they carry). `check_packing` puts
+those layers' document-aware functions in place and marks the model to pass the ends
+(`enable_exact_packing`).
 
 Any other layer that carries state is refused for packing in one line. Context parallelism, which
 splits rows rather than packing them, refuses every such layer (`cp_unsupported`, its one rule).
@@ -28,7 +29,8 @@ from transformers import PreTrainedModel, masking_utils
 
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
-from sft.models.gated_deltanet import install_gated_deltanet_functions, modeling_modules, short_convolution_modules
+from sft.models.gated_deltanet import (KIMI_DELTA_LAYERS, install_gated_deltanet_functions, kimi_delta_modules,
+                                       modeling_modules, short_convolution_modules)
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
@@ -44,10 +46,12 @@ class PackingError(UserError):
 
 def _stateful_mixers(model: PreTrainedModel) -> dict[str, type]:
     """The classes of `model`'s modules that carry state along a row, by name: the innermost modules
-    whose class names say so (not the blocks or the model around them, nor norms named after them)."""
+    whose class names say so (not the blocks or the model around them, nor norms named after them, nor
+    attention named so: Kimi-Linear's KimiLinearAttention is its full attention, and says is_causal)."""
     def named(module) -> bool:
         name = type(module).__name__
-        return any(k in name for k in _STATEFUL_MIXERS) and not name.endswith(("Norm", "NormGated"))
+        return (any(k in name for k in _STATEFUL_MIXERS) and not name.endswith(("Norm", "NormGated"))
+                and not hasattr(module, "is_causal"))
     return {type(m).__name__: type(m) for m in model.modules()
             if named(m) and not any(named(inner) for inner in m.modules() if inner is not m)}
 
@@ -64,14 +68,15 @@ def stateful_layers(model: PreTrainedModel) -> str | None:
 
 
 def _packs_exactly(model: PreTrainedModel) -> bool:
-    """Whether every layer of `model` that carries state is a Gated DeltaNet or short convolution layer
-    that restarts per document (sft/models/gated_deltanet.py)."""
+    """Whether every layer of `model` that carries state is a Gated DeltaNet, Kimi delta attention or
+    short convolution layer that restarts per document (sft/models/gated_deltanet.py)."""
     mixers = _stateful_mixers(model)
     if not mixers:  # the config names stateful layer kinds (e.g. Falcon-H1's "hybrid"), no module of a known kind
         return False
-    delta, short = set(modeling_modules(model)), set(short_convolution_modules(model))
-    return all(sys.modules[cls.__module__] in delta if "GatedDeltaNet" in name else
-               name.endswith("ShortConv") and sys.modules[cls.__module__] in short for name, cls in mixers.items())
+    exact = {"GatedDeltaNet": modeling_modules(model), "ShortConv": short_convolution_modules(model),
+             **dict.fromkeys(KIMI_DELTA_LAYERS, kimi_delta_modules(model))}
+    return all(any(kind in name and sys.modules[cls.__module__] in modules for kind, modules in exact.items())
+               for name, cls in mixers.items())
 
 
 def builds_document_masks(model: PreTrainedModel) -> bool:
@@ -112,8 +117,8 @@ def check_packing(model: PreTrainedModel, packing: bool) -> None:
         return
     if not _packs_exactly(model):
         raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
-                           "mixing documents, and only Gated DeltaNet and short convolution layers restart per "
-                           "document yet; set data.packing=false")
+                           "mixing documents, and only Gated DeltaNet, Kimi delta attention and short convolution "
+                           "layers restart per document yet; set data.packing=false")
     enable_exact_packing(model)
 
 
