@@ -87,16 +87,15 @@ def short_convolution_modules(model: PreTrainedModel) -> list[object]:
     return [m for m in modules if hasattr(m, "causal_conv1d_fn")]
 
 
-# Class names of Kimi delta attention layers: Kimi-Linear's KimiLinearDeltaAttention, GLM-5-Next's
-# Glm5NextTextLinearAttention (Kimi-Linear's full attention, KimiLinearAttention, says is_causal)
-KIMI_DELTA_LAYERS = ("DeltaAttention", "LinearAttention")
+# What the class names of Kimi delta attention layers hold (KimiLinearDeltaAttention, BailingHybridDeltaAttention)
+KIMI_DELTA_LAYER = "DeltaAttention"
 
 
 def kimi_delta_modules(model: PreTrainedModel) -> list[object]:
     """The modeling modules of `model`'s Kimi delta attention layers that call the convolution and
     `chunk_kimi_delta_attention`."""
     modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if any(k in type(m).__name__ for k in KIMI_DELTA_LAYERS) and not hasattr(m, "is_causal")}
+               if KIMI_DELTA_LAYER in type(m).__name__}
     return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "chunk_kimi_delta_attention"))]
 
 
@@ -142,12 +141,14 @@ def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
     modules, kimi = modeling_modules(model), kimi_delta_modules(model)
     for module in {*modules, *kimi, *short_convolution_modules(model)}:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
-            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels)
-            if module in modules:
-                module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule,
-                                                                              kernels)
-            if module in kimi:
-                module.chunk_kimi_delta_attention = _kimi_delta_by_document(module.chunk_kimi_delta_attention)
+            # Gated DeltaNet's takes fla's kernel for unpacked rows too (transformers' choice can be its torch
+            # reference: see above); the others keep transformers' choice for those
+            module.causal_conv1d_fn = _conv_by_document(module.causal_conv1d_fn, kernels,
+                                                        unpacked_on_fla=module in modules)
+        if module in modules and not getattr(module.torch_chunk_gated_delta_rule, "by_document", False):
+            module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule, kernels)
+        if module in kimi and not getattr(module.chunk_kimi_delta_attention, "by_document", False):
+            module.chunk_kimi_delta_attention = _kimi_delta_by_document(module.chunk_kimi_delta_attention)
     return bool(modules)
 
 
@@ -174,13 +175,14 @@ def _document_ids(ends: torch.Tensor, shape: torch.Size) -> torch.Tensor:
                                    output_size=shape.numel()).view(shape)
 
 
-def _conv_by_document(original, kernels: SimpleNamespace | None):
+def _conv_by_document(original, kernels: SimpleNamespace | None, unpacked_on_fla: bool):
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs) -> torch.Tensor:
         ends = kwargs.get(DOCUMENT_ENDS)
         # hidden_states [B, C, T] (a transposed view of [B, T, C]), weight [C, K]
-        if kernels is not None and hidden_states.is_cuda and activation in FLA_CONV_ACTIVATIONS:
+        if (kernels is not None and hidden_states.is_cuda and activation in FLA_CONV_ACTIVATIONS
+                and (ends is not None or unpacked_on_fla)):
             batch, channels, length = hidden_states.shape
             rows = hidden_states.transpose(1, 2)
             if ends is None:
@@ -235,6 +237,7 @@ def _delta_rule_by_document(original, kernels: SimpleNamespace | None):
                              for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
         return out.reshape(batch, length, *out.shape[2:]), None
 
+    chunk_gated_delta_rule.by_document = True
     return chunk_gated_delta_rule
 
 
@@ -243,10 +246,9 @@ def _kimi_delta_by_document(original):
 
     @torch.compiler.disable  # a loop over the row's documents: compiled, it would recompile for every packing
     def by_document(function, flat: list[torch.Tensor], ends: torch.Tensor, **kwargs) -> torch.Tensor:
-        bounds = ends.tolist()
-        return torch.cat([function(*(t[:, start:end] for t in flat[:3]), g=flat[3][:, start:end],
-                                   beta=flat[4][:, start:end], **kwargs)[0]
-                          for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
+        lengths = (ends[1:] - ends[:-1]).tolist()  # split, not sliced: one concatenation in backward
+        return torch.cat([function(q, k, v, g=g, beta=beta, **kwargs)[0]
+                          for q, k, v, g, beta in zip(*(t.split(lengths, dim=1) for t in flat))], dim=1)
 
     @functools.wraps(original)
     def chunk_kimi_delta_attention(query, key, value, g, beta, **kwargs):
@@ -260,4 +262,5 @@ def _kimi_delta_by_document(original):
         out = by_document(function, flat, ends.on_host, **kwargs)
         return out.reshape(batch, length, *out.shape[2:]), None
 
+    chunk_kimi_delta_attention.by_document = True
     return chunk_kimi_delta_attention

@@ -197,9 +197,10 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind):
 
 
 def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_path):
-    """Layers that carry state along the row other than Gated DeltaNet (Mamba: Falcon-H1, Nemotron-H,
-    Granite-4 hybrids; Kimi's delta attention) are refused for packing, naming the layers; context
-    parallelism refuses Gated DeltaNet too. An attention-only model packs."""
+    """Layers that carry state along the row other than Gated DeltaNet, Kimi delta attention and short
+    convolutions (Mamba: Falcon-H1, Nemotron-H, Granite-4 hybrids; MiniMax's lightning attention) are
+    refused for packing, naming the layers; context parallelism refuses Gated DeltaNet too. An
+    attention-only model packs."""
     from transformers import AutoModelForCausalLM
 
     from helpers import FALCON_H1, gated_deltanet_model_dir, tiny_config
