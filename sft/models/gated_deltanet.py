@@ -22,8 +22,8 @@ A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/tr
 them for packed rows of a model that sft/models/packing.py's `enable_exact_packing` marked);
 transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
 convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
-(`short_convolution_modules`), so that they restart at each document as well. Kimi's delta attention
-layers call that convolution and `chunk_kimi_delta_attention` (`kimi_delta_modules`): for a packed row
+(RESTARTING_LAYERS), so that they restart at each document as well. Kimi's delta attention
+layers call that convolution and `chunk_kimi_delta_attention`: for a packed row
 that runs one document at a time, through whatever transformers chose for it (fla's kernel on a GPU
 where fla is installed; flash-linear-attention's varlen form of it is not used yet).
 """
@@ -74,29 +74,25 @@ def document_ends(position_ids: torch.Tensor) -> torch.Tensor | None:
     return torch.cat([starts, torch.tensor([position_ids.numel()])])
 
 
-def modeling_modules(model: PreTrainedModel) -> list[object]:
-    """The modeling modules of `model`'s Gated DeltaNet layers that call the two functions."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules() if "GatedDeltaNet" in type(m).__name__}
-    return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"))]
+# The layers that restart at each packed document, by how their class names end, and the functions of
+# their modeling module that this module replaces
+RESTARTING_LAYERS = {
+    "GatedDeltaNet": ("causal_conv1d_fn", "torch_chunk_gated_delta_rule"),  # Qwen3.5, Qwen3-Next, OLMo-hybrid
+    "DeltaAttention": ("causal_conv1d_fn", "chunk_kimi_delta_attention"),  # Kimi-Linear, Ling's hybrids
+    "ShortConv": ("causal_conv1d_fn",),  # LFM2: a causal depthwise convolution is all it carries
+}
 
 
-def short_convolution_modules(model: PreTrainedModel) -> list[object]:
-    """The modeling modules of `model`'s short convolution layers (LFM2's ShortConv: a causal depthwise
-    convolution is all they carry along the row) that call `causal_conv1d_fn`."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("ShortConv")}
-    return [m for m in modules if hasattr(m, "causal_conv1d_fn")]
-
-
-# What the class names of Kimi delta attention layers hold (KimiLinearDeltaAttention, BailingHybridDeltaAttention)
-KIMI_DELTA_LAYER = "DeltaAttention"
-
-
-def kimi_delta_modules(model: PreTrainedModel) -> list[object]:
-    """The modeling modules of `model`'s Kimi delta attention layers that call the convolution and
-    `chunk_kimi_delta_attention`."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()
-               if KIMI_DELTA_LAYER in type(m).__name__}
-    return [m for m in modules if all(hasattr(m, f) for f in ("causal_conv1d_fn", "chunk_kimi_delta_attention"))]
+def restarting_modules(model: PreTrainedModel) -> dict[str, list[object]]:
+    """For each kind of RESTARTING_LAYERS, the modeling modules of `model`'s layers of that kind that
+    define the functions replaced for it."""
+    found: dict[str, set] = {kind: set() for kind in RESTARTING_LAYERS}
+    for m in model.modules():
+        for kind in RESTARTING_LAYERS:
+            if type(m).__name__.endswith(kind):
+                found[kind].add(sys.modules[type(m).__module__])
+    return {kind: [module for module in modules if all(hasattr(module, f) for f in RESTARTING_LAYERS[kind])]
+            for kind, modules in found.items()}
 
 
 @functools.cache
@@ -138,8 +134,9 @@ def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
     of its Kimi delta attention layers, and its convolution in the place of its short convolution
     layers' (once per modeling module); whether it has Gated DeltaNet layers."""
     kernels = fla_kernels()  # resolved here: under torch.compile the functions below only read it
-    modules, kimi = modeling_modules(model), kimi_delta_modules(model)
-    for module in {*modules, *kimi, *short_convolution_modules(model)}:
+    restarting = restarting_modules(model)
+    modules, kimi = restarting["GatedDeltaNet"], restarting["DeltaAttention"]
+    for module in {m for found in restarting.values() for m in found}:
         if not getattr(module.causal_conv1d_fn, "by_document", False):
             # Gated DeltaNet's takes fla's kernel for unpacked rows too (transformers' choice can be its torch
             # reference: see above); the others keep transformers' choice for those

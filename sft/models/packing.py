@@ -29,8 +29,7 @@ from transformers import PreTrainedModel, masking_utils
 
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
-from sft.models.gated_deltanet import (KIMI_DELTA_LAYER, install_gated_deltanet_functions, kimi_delta_modules,
-                                       modeling_modules, short_convolution_modules)
+from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
 
 # Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
 # packed document sees only itself once its positions restart.
@@ -73,9 +72,8 @@ def _packs_exactly(model: PreTrainedModel) -> bool:
     mixers = _stateful_mixers(model)
     if not mixers:  # the config names stateful layer kinds (e.g. Falcon-H1's "hybrid"), no module of a known kind
         return False
-    exact = {"GatedDeltaNet": modeling_modules(model), KIMI_DELTA_LAYER: kimi_delta_modules(model),
-             "ShortConv": short_convolution_modules(model)}
-    return all(any(kind in name and sys.modules[cls.__module__] in modules for kind, modules in exact.items())
+    exact = restarting_modules(model)
+    return all(any(name.endswith(kind) and sys.modules[cls.__module__] in modules for kind, modules in exact.items())
                for name, cls in mixers.items())
 
 

@@ -465,6 +465,21 @@ def test_qwen72b_qlora_plans_one_80gb_gpu_offline(at_repo, capsys):
     assert status == 1 and "nothing fits 80 GiB per GPU on 1 GPUs" in out
 
 
+def auto_plan_on_two_h200(tmp_path, model: str, allow_lean: bool):
+    """plan.auto for P-7B rows of `model` (a configs/models folder) on 2 x 140.4 GiB, lean state allowed
+    or not: the config and plan.auto's line; None where lean state is not allowed, after checking that
+    nothing fits then."""
+    from sft.plan import apply_auto_plan
+
+    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", f"model.name_or_path=configs/models/{model}",
+                               "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}")
+    if not allow_lean:
+        with pytest.raises(ConfigError, match="nothing fits"):
+            apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+        return None
+    return cfg, apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+
+
 @pytest.mark.parametrize("allow_lean", [True, False])
 def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_lean_state_before_expert_parallelism(tmp_path, allow_lean):
     """The whole Qwen3-30B-A3B on 2 x 140.4 GiB (P-7B rows: 2 x 4096 tokens a GPU): nothing fits with
@@ -472,15 +487,11 @@ def test_auto_plan_fits_the_whole_30b_moe_on_two_h200_with_lean_state_before_exp
     without expert parallelism, measured faster (docs/BENCHMARKS.md, issue #46: 7,273 tok/s/GPU at
     ac 1 ops_half, peak 119.5 GiB, against 4,540 with ep 2); not allowed, expert parallelism alone
     does not fit it either. Its prediction at the measured setting is within 10% of that peak."""
-    from sft.plan import apply_auto_plan, predict_gib
+    from sft.plan import predict_gib
 
-    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3-30b-a3b",
-                               "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}")
-    if not allow_lean:
-        with pytest.raises(ConfigError, match="nothing fits"):
-            apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+    if not (planned := auto_plan_on_two_h200(tmp_path, "qwen3-30b-a3b", allow_lean)):
         return
-    line = apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+    cfg, line = planned
     assert line.startswith("plan.auto: optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 "
                            "fsdp.reduce_dtype=bfloat16 ac.ratio=1")
     assert (cfg.moe.ep_degree, cfg.optim.state_dtype, cfg.optim.master_dtype, cfg.fsdp.reduce_dtype) == \
@@ -502,15 +513,9 @@ def test_auto_plan_fits_the_largest_dense_qwen35_on_two_h200_with_lean_state(tmp
     parameter are 200 GiB a GPU, so nothing fits; allowed, plan.auto takes 8 (bf16 moments, master
     weights and reduction) with every block checkpointed. Measured (docs/BENCHMARKS.md, issue #45):
     peak 111.0 GiB, within 10% of its prediction."""
-    from sft.plan import apply_auto_plan
-
-    cfg = config_on_empty_data(tmp_path, "configs/bench/p7b.yaml", "model.name_or_path=configs/models/qwen3.5-27b",
-                               "plan.auto=true", f"plan.allow_lean_state={str(allow_lean).lower()}")
-    if not allow_lean:
-        with pytest.raises(ConfigError, match="nothing fits"):
-            apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+    if not (planned := auto_plan_on_two_h200(tmp_path, "qwen3.5-27b", allow_lean)):
         return
-    line = apply_auto_plan(cfg, gpus=2, gpu_mem_gib=140.4)
+    line = planned[1]
     assert line.startswith("plan.auto: optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 "
                            "fsdp.reduce_dtype=bfloat16 ac.ratio=1 ac.mode=blocks train.micro_batch_size=2 ")
     predicted = float(line.split("(predicted ")[1].split(" GiB")[0])
