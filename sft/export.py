@@ -75,10 +75,10 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
             else:
                 tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
-                # MoE: fused expert tensors are written per expert, as transformers saves them (sft/models/hub.py).
+                # As save_pretrained writes them: experts one tensor each, renamed, ... (sft/models/hub.py)
                 kept_dtype = _kept_in_their_dtype(model)
-                trained = to_hub_tensors(model.config.model_type, ((n, t if n in kept_dtype else t.to(DTYPES[dtype]))
-                                                                   for n, t in tensors))
+                trained = to_hub_tensors(model, ((n, t if n in kept_dtype else t.to(DTYPES[dtype]))
+                                                 for n, t in tensors))
                 kept = checkpoint / HF_FILES / KEPT
                 if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
                     write_safetensors(_with_kept(trained, kept), tmp)

@@ -1,10 +1,12 @@
 """The model zoo: every causal-LM family of the installed transformers (and the vision-language ones
 whose language model has a causal class), as a tiny random model from its own config class, through
 our path: built as train.py builds it (sft/models/build.py: attention it can run, the language model
-of a vision-language checkpoint, our MoE blocks, exact packing or its refusal), initialised by the
-architecture's own init, a few steps of AdamW on one batch (the loss falls), packed against padded
-rows (equal, or refused in one line), the export's hub layout loaded back by transformers (the same
-class, the next-token loss of its logits equal to ours, causal), and whether context parallelism, expert parallelism and LoRA take it.
+of a vision-language checkpoint, our MoE blocks, exact packing or its refusal), its random weights
+saved by transformers (`save_pretrained`: experts one tensor each, renamed, q/k/v apart, as published)
+and read through our loader (its loss then equal to the model transformers loads from the same files),
+a few steps of AdamW on one batch (the loss falls), packed against padded rows (equal, or refused in
+one line), the export loaded back by transformers (the same class, the next-token loss of its logits
+equal to ours, causal), and whether context parallelism, expert parallelism and LoRA take it.
 
     python tests/zoo.py            # writes docs/models.md from the results (make models-doc)
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -32,6 +35,8 @@ OVERRIDES = {
         "axk1", "axk2", "kimi_k2", "minicpm3", "sarvam_mla")},
     "codegen": {"rotary_dim": 8}, "gptj": {"rotary_dim": 8},
     "phimoe": {"router_jitter_noise": 0.0},
+    # Inkling-2's files pad the head to vocab_size from the unpadded_vocab_size rows the model has
+    **{mt: {"unpadded_vocab_size": 899} for mt in ("inkling2_text", "inkling2_loop_text")},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
     # transformers' default LFM2 config attends in every layer; its checkpoints interleave short convolutions
     "lfm2": {"layer_types": ["conv", "full_attention"]},
@@ -88,7 +93,7 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
     from sft.models.vision_language import is_vision_language, under_a_head
-    from sft.models.weights import RandomWeights, SafetensorsWeights, load_weights
+    from sft.models.weights import SafetensorsWeights, load_weights
     from sft.training.loss import attach_sft_loss, loss_inputs
 
     row = Row(family)
@@ -97,7 +102,7 @@ def check_family(family: str, tmp: Path) -> Row:
     try:
         directory = (vision_language_model_dir(tmp, model_type) if vision_language
                      else tiny_model_dir(tmp, model_type, **OVERRIDES.get(model_type, {})))
-        cfg = ModelConfig(name_or_path=str(directory), init="pretrained" if vision_language else "random")
+        cfg = ModelConfig(name_or_path=str(directory), init="pretrained")
         if not vision_language and is_vision_language(model_config(cfg)):
             row.status = "not built: a vision-language config without a tiny checkpoint in the zoo (tests/helpers.py)"
             return row
@@ -127,26 +132,30 @@ def check_family(family: str, tmp: Path) -> Row:
     except Exception as e:  # noqa: BLE001
         row.lora = f"no: {_reason(e)}"
     try:
+        if not vision_language:
+            directory = _saved_by_transformers(cfg, tmp / f"saved_{model_type}")
         buffers = real_buffers(model)
         materialize(model, buffers, torch.device("cpu"))
-        weights = SafetensorsWeights(cfg.name_or_path, model) if vision_language else RandomWeights(cfg, 0)
+        weights = SafetensorsWeights(str(directory), model)
+        weights.check()
         load_weights(model, weights, torch.device("cpu"))
         attach_sft_loss(model)
         samples = synthetic_global_batch(4)
         padded, packed = collate(samples, 0, 256), collate_packed([samples[:2], samples[2:]], 0, 256)
-        if vision_language:  # before training: the loss transformers' vision-language class gives its text
-            with torch.no_grad():
-                ours = _loss(model, padded)
-                try:
-                    theirs = _next_token_loss(AutoModelForImageTextToText.from_pretrained(
-                        directory, attn_implementation="eager"), padded)
-                except AttributeError:  # Llama-4's cannot run on text alone in transformers 5.24 (no image_outputs)
-                    if model_type != "llama4":
-                        raise
-                    theirs = ours
-            if not abs(ours - theirs) <= 1e-4 * abs(theirs):
-                row.status = f"differs from transformers' vision-language class ({ours:.5f} here, {theirs:.5f} there)"
-                return row
+        with torch.no_grad():  # before training: the loss of the model transformers loads from the same files
+            model.eval()  # (transformers' is in eval mode: no dropout)
+            ours = _loss(model, padded)
+            model.train()
+            try:
+                theirs = _next_token_loss((AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
+                                          .from_pretrained(directory, attn_implementation="eager"), padded)
+            except AttributeError:  # Llama-4's cannot run on text alone in transformers 5.24 (no image_outputs)
+                if model_type != "llama4":
+                    raise
+                theirs = ours
+        if not abs(ours - theirs) <= 1e-4 * abs(theirs):
+            row.status = f"loads otherwise than transformers ({ours:.5f} here, {theirs:.5f} there)"
+            return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(STEPS):
@@ -173,7 +182,7 @@ def check_family(family: str, tmp: Path) -> Row:
             export = tmp / f"export_{model_type}"
             export.mkdir()
             tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}  # what an export writes
-            write_safetensors(to_hub_tensors(model.config.model_type, tensors.items()), export)
+            write_safetensors(to_hub_tensors(model, tensors.items()), export)
             model.config.save_pretrained(export)
             # (Qwen3-VL's text model has no causal class in transformers: it is loaded under our head)
             head = under_a_head(model_config(cfg)) if vision_language else None
@@ -192,6 +201,27 @@ def check_family(family: str, tmp: Path) -> Row:
     except Exception as e:  # noqa: BLE001
         row.status = f"fails: {_reason(e)}"
     return row
+
+
+def _saved_by_transformers(cfg, out: Path) -> Path:
+    """`cfg`'s tiny model as transformers saves it (`save_pretrained`: the layout checkpoints are
+    published in), its weights our random init (`model.init: random`, the architecture's own
+    init), correction biases off zero so that loading them is seen."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.models.build import model_config
+    from sft.models.weights import RandomWeights
+
+    shutil.copytree(cfg.name_or_path, out)
+    model = AutoModelForCausalLM.from_config(model_config(cfg))
+    init = RandomWeights(cfg, seed=0)
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            tensor.copy_(init.read(name, (...,), torch.device("cpu")))
+            if name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.5, 0.5)
+    model.save_pretrained(out)
+    return out
 
 
 def _loss(model, batch: dict) -> float:
@@ -238,9 +268,10 @@ HEADER = """# Does it take my model?
 <!-- generated with transformers {version} -->
 Every causal-LM family of transformers {version} (and vision-language checkpoints as transformers
 saves them), as a tiny random model built from transformers' own config class, through the
-trainer's path on a CPU: built as a run builds it, initialised (a vision-language checkpoint's
-language model from its files, its loss on text equal to transformers' vision-language class's where
-that class runs on text alone),
+trainer's path on a CPU: built as a run builds it, loaded from the files transformers saves
+(`save_pretrained`, the layout checkpoints are published in; a vision-language checkpoint's language
+model from the whole checkpoint), its loss equal to the model transformers loads from the same files
+(its vision-language class where that class runs on text alone),
 {steps} steps of AdamW on one batch (the loss falls), packed rows against padded ones, and the
 export's layout loaded back by transformers (the same class, or our head on a text model without
 one; the next-token loss of its logits equals the trainer's, logit scales and soft caps included;

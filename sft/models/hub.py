@@ -1,18 +1,29 @@
-"""The Hugging Face hub's file layout: sharded safetensors written as transformers writes them, and
-the experts of mixture-of-experts models, which transformers 5 fuses into one tensor per block but
-whose hub files (and exports) hold one tensor per expert. Loading (sft/models/weights.py) and
-export (sft/export.py) both go through here."""
+"""The Hugging Face hub's file layout: how a model's tensors sit in the safetensors files that
+transformers saves and checkpoints are published in, and those files written as transformers
+writes them. Loading (sft/models/weights.py) reads through here and export (sft/export.py) writes
+through here.
+
+transformers' own conversion mapping (transformers/conversion_mapping.py, what `from_pretrained`
+applies and `save_pretrained` reverts) is the source of truth for every family it ships. The files
+may name a tensor otherwise than the model (Mixtral's `block_sparse_moe`, gpt-neox's `embed_out`,
+OLMo-hybrid's norms). They may hold one tensor per expert where the model fuses them, q/k/v
+convolutions that the model concatenates (Kimi-Linear, OLMo-hybrid), or one q/k/v projection that
+the model splits (Sarvam-MoE). A slice of fused experts is read expert by expert, so that a rank
+reads only its own shard; every other converted tensor is small enough to assemble whole.
+"""
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import copy
 import json
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 # The largest safetensors shard written (Hugging Face's own default size).
 MAX_SHARD_BYTES = 5 * 2**30
@@ -52,92 +63,185 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Pa
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-@functools.cache
-def hub_layout(model_type: str) -> tuple[str, str, str, str] | None:
-    """How the fused expert parameters map to the hub's per-expert tensors, for the architectures
-    whose hub files hold one tensor per expert: (the block's name in the files where it is not
-    `mlp`, gate, up, down names); None where the files hold them fused (gpt-oss). Read from the
-    renamings transformers itself applies when it loads the files (its conversion mapping), so every
-    family it ships is covered as it covers it."""
+@contextlib.contextmanager
+def _classes_as_built(model: nn.Module) -> Iterator[None]:
+    """`model` with the classes it was built with: FSDP2 gives each module it shards a subclass of
+    its own ("FSDPGPTNeoXForCausalLM"), and transformers finds some mappings by class name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [(module, type(module)) for module in model.modules() if isinstance(module, FSDPModule)]
     try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        transforms = get_checkpoint_conversion_mapping(model_type) or []
-    except ImportError:  # a transformers without conversion mappings: fused in the files
-        return None
-    block, names = "", {}
-    for transform in transforms:  # their patterns are regular expressions: literal names where escaped
-        sources, targets = ([re.sub(r"\\(.)", r"\1", p) for p in patterns]
-                            for patterns in (transform.source_patterns, transform.target_patterns))
-        if targets == [".mlp."] and len(sources) == 1:  # e.g. Mixtral's .block_sparse_moe.
-            block = sources[0].strip(".")
-        elif len(targets) == 1 and targets[0].endswith(("experts.gate_up_proj", "experts.down_proj")):
-            names[targets[0].rpartition(".")[2]] = [s.rpartition("experts.*.")[2].removesuffix(".weight")
-                                                    for s in sources]
-    if len(names.get("gate_up_proj", ())) != 2 or len(names.get("down_proj", ())) != 1 or not all(
-            re.fullmatch(r"\w*", n) for n in (block, *names["gate_up_proj"], *names["down_proj"])):
-        return None  # not plain names of this form: left fused (check() says what the files lack)
-    (gate, up), (down,) = names["gate_up_proj"], names["down_proj"]
-    return block, gate, up, down
+        for module, cls in wrapped:
+            module.__class__ = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
+        yield
+    finally:
+        for module, cls in wrapped:
+            module.__class__ = cls
 
 
-def _expert_names(layout: tuple, name: str, expert: int) -> tuple[str, ...]:
-    """Hub names of expert `expert`'s tensors behind fused parameter `name` (gate_up_proj: gate, up)."""
-    rename, gate, up, down = layout
-    prefix = name.rpartition(".experts.")[0]
-    if rename:
-        prefix = prefix.replace(".mlp", f".{rename}")
-    base = f"{prefix}.experts.{expert}"
-    if name.endswith("gate_up_proj"):
-        return f"{base}.{gate}.weight", f"{base}.{up}.weight"
-    return (f"{base}.{down}.weight",)
+def _transforms(model: nn.Module, loading: bool) -> tuple[list, list]:
+    """(renamings, converters) of `model` in transformers' conversion mapping: as `from_pretrained`
+    applies them (`loading`, its legacy renamings included), or reversed, as `save_pretrained`
+    writes a model it did not load."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightConverter
+
+    with _classes_as_built(model):
+        transforms = get_model_conversion_mapping(model, add_legacy=loading)
+    if not loading:  # a prefix change cannot be told apart once undone: save_pretrained leaves it out too
+        transforms = [t.reverse_transform() for t in transforms[::-1] if not isinstance(t, PrefixChange)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return [t for t in transforms if not isinstance(t, WeightConverter)], converters
 
 
-def is_fused_expert(name: str) -> bool:
-    return name.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+class _Shapes:
+    """What transformers' operations ask of the model they convert for (a Split sizes its parts by
+    the parameters'), without touching the model itself (sharded, wrapped)."""
+
+    def __init__(self, config, shapes: dict[str, tuple[int, ...]]):
+        self.config, self.shapes = config, shapes
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        return torch.empty(self.shapes[name], device="meta")
 
 
-# A dense layer's MLP (Kimi-Linear's first layers), which keeps its name where sparse blocks are renamed.
-_DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.")
+@dataclass
+class _Group:
+    """The files' tensors that make some of the model's: by the converter's source pattern, in the
+    files' natural order (expert 0, 1, ...); `converter` None for one tensor under its own name or another."""
+    converter: object | None
+    sources: dict[str, list[str]] = field(default_factory=dict)
+
+    def file_names(self) -> list[str]:
+        return [name for names in self.sources.values() for name in names]
 
 
-def hub_name(model_type: str, name: str) -> str:
-    """The hub name of a non-expert tensor (Mixtral's and MiniMax-M2's sparse blocks, their router
-    and bias included, live under block_sparse_moe)."""
-    layout = hub_layout(model_type)
-    if layout and layout[0] and ".mlp." in name and not _DENSE_MLP.search(name):
-        return name.replace(".mlp.", f".{layout[0]}.")
-    return name
+class FileLayout:
+    """Where each of a model's tensors (parameters and persistent buffers, `shapes`) is in a
+    checkpoint's files (`file_shapes`, named as the model would name them: a vision-language
+    checkpoint's prefix already taken off), as transformers' `from_pretrained` would find it."""
+
+    def __init__(self, model: nn.Module, shapes: dict[str, tuple[int, ...]], file_shapes: dict[str, tuple[int, ...]]):
+        from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+        renamings, converters = _transforms(model, loading=True)
+        by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+        prefix = getattr(model, "base_model_prefix", "")
+        self.model = _Shapes(model.config, shapes)
+        self.file_shapes = file_shapes
+        groups: dict[str, _Group] = {}
+        for key in sorted(file_shapes, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, prefix, shapes)
+            if target not in shapes and key in shapes:  # as from_pretrained: a name the model has is not renamed
+                target, pattern = key, None
+            if target not in shapes:
+                continue  # not the model's (a vision tower, a multi-token-prediction head): kept or ignored
+            group = groups.setdefault(target, _Group(copy.deepcopy(by_pattern[pattern]) if pattern else None))
+            group.sources.setdefault(pattern or key, []).append(key)
+        # What each group gives, found by converting empty tensors of the files' shapes
+        self.groups: dict[str, tuple[str, _Group]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for first, group in groups.items():
+            made = self._convert(first, group, lambda name: torch.empty(file_shapes[name], device="meta"))
+            for name, tensor in made.items():
+                self.groups[name] = (first, group)
+                self.shapes[name] = tuple(tensor.shape)
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+
+    def _convert(self, first: str, group: _Group, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's tensors that `group` makes, from the files' tensors `load` gives."""
+        if group.converter is None:
+            ((name,),) = group.sources.values()
+            return {first: load(name)}
+        converter = copy.deepcopy(group.converter)
+        for pattern, names in group.sources.items():
+            for name in names:
+                converter.add_tensor(first, name, pattern, lambda name=name: load(name))
+        made = converter.convert(first, model=self.model, config=self.model.config)
+        return {name: tensor[0] if isinstance(tensor, list) else tensor for name, tensor in made.items()}
+
+    def sources(self, name: str) -> list[str]:
+        """The files' tensors that model tensor `name` is made of."""
+        return self.groups[name][1].file_names()
+
+    def file_name(self, name: str) -> str | None:
+        """The files' name of model tensor `name` where one file tensor holds it as it is."""
+        first, group = self.groups[name]
+        return group.file_names()[0] if group.converter is None else None
+
+    def read(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor], name: str,
+             index: tuple[slice, ...]) -> torch.Tensor:
+        """Slice `index` of model tensor `name`, from the files' tensors (`read(file name, index)`)."""
+        first, group = self.groups[name]
+        if group.converter is None:
+            return read(group.file_names()[0], index)
+        if _stacks_experts(group.converter):
+            return self._read_experts(read, group, self.shapes[name], index)
+        if self._last is None or self._last[0] != first:  # q, k and v of one split come from one conversion
+            self._last = first, self._convert(first, group, lambda file: read(file, ...))
+        return self._last[1][name][index]
+
+    def _read_experts(self, read, group: _Group, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
+        """Slice `index` of fused experts, reading only the experts and rows in it: expert e's rows are
+        its tensors of each source pattern one after the other (gate then up), as the converter makes them."""
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        experts, rows, cols = (slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
+        patterns = [p for p in group.converter.source_patterns if p in group.sources]
+        parts = []
+        for e in range(experts.start, experts.stop):
+            pieces, begin = [], 0
+            for pattern in patterns:
+                file = group.sources[pattern][e]
+                end = begin + self.file_shapes[file][0]
+                if max(rows.start, begin) < min(rows.stop, end):
+                    pieces.append(read(file, (slice(max(rows.start, begin) - begin, min(rows.stop, end) - begin),
+                                              cols)))
+                begin = end
+            parts.append(torch.cat(pieces))
+        return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
 
 
-def hub_shapes(model_type: str, name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The hub tensors that hold parameter `name` (of `shape`), with their shapes."""
-    layout = hub_layout(model_type)
-    if layout is None or not is_fused_expert(name):
-        return {hub_name(model_type, name): tuple(shape)}
-    experts, rows, cols = shape
-    out = {}
-    for e in range(experts):
-        names = _expert_names(layout, name, e)
-        out.update({hub: (rows // len(names), cols) for hub in names})
-    return out
+def _stacks_experts(converter) -> bool:
+    """Whether `converter` stacks one 2-D tensor per expert into a 3-D one, concatenating the tensors
+    of each expert's row by row where there are several (gate and up): what `_read_experts` reads."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = converter.operations
+    return (isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+            and all(isinstance(op, Concatenate) and op.dim == 1 for op in ops[1:]) and len(ops) <= 2)
 
 
-def read_fused_slice(read, model_type: str, name: str, shape: tuple[int, ...],
-                     index: tuple[slice, ...]) -> torch.Tensor:
-    """Slice `index` of fused expert parameter `name` (full `shape`) assembled from the hub's
-    per-expert tensors, reading only the experts and rows in it (`read(hub name, index)`). The
-    index may leave dims or bounds out (the whole tensor: `()`, `slice(None)`), as any tensor's may."""
-    layout = hub_layout(model_type)
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    experts, rows, cols = (slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
-    parts = []
-    for e in range(experts.start, experts.stop):
-        names = _expert_names(layout, name, e)
-        per = shape[1] // len(names)  # gate_up_proj: rows [0, I) are the gate's, [I, 2I) the up projection's
-        pieces = [read(hub, (slice(max(rows.start, i * per) - i * per, min(rows.stop, (i + 1) * per) - i * per), cols))
-                  for i, hub in enumerate(names) if max(rows.start, i * per) < min(rows.stop, (i + 1) * per)]
-        parts.append(torch.cat(pieces))
-    return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
+def to_hub_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's (name, tensor) pairs as `save_pretrained` writes them: transformers' conversion
+    mapping reverted, tensor by tensor (those a conversion needs together, e.g. q, k and v that the
+    files hold as one, are held until the last of them comes)."""
+    renamings, converters = _transforms(model, loading=False)
+
+    def renamed(name: str) -> str:
+        for renaming in renamings:
+            name, _ = renaming.rename_source_key(name)
+        return name
+
+    def converted(first: str, converter) -> Iterator[tuple[str, torch.Tensor]]:
+        made = converter.convert(first, model=model, config=model.config)
+        for name, tensor in made.items():
+            yield renamed(name), (tensor[0] if isinstance(tensor, list) else tensor)
+
+    pending: dict[str, object] = {}
+    for name, tensor in named:
+        for template in converters:
+            first, pattern = template.rename_source_key(name)
+            if pattern is not None:
+                break
+        else:
+            yield renamed(name), tensor
+            continue
+        converter = pending.setdefault(first, copy.deepcopy(template))
+        converter.add_tensor(first, name, pattern, tensor)
+        if all(p in converter.collected_tensors and "*" not in p for p in converter.source_patterns):
+            yield from converted(first, pending.pop(first))
+    for first, converter in pending.items():
+        yield from converted(first, converter)
 
 
 def quantized_experts_problem(source: str, names: Iterable[str]) -> str | None:
@@ -150,16 +254,3 @@ def quantized_experts_problem(source: str, names: Iterable[str]) -> str | None:
             "AutoModelForCausalLM, Mxfp4Config; AutoModelForCausalLM.from_pretrained('SOURCE', dtype='bfloat16', "
             "quantization_config=Mxfp4Config(dequantize=True)).save_pretrained('OUT')\") and set model.name_or_path "
             "to OUT")
-
-
-def to_hub_tensors(model_type: str, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs as the hub stores them: fused experts split per expert."""
-    layout = hub_layout(model_type)
-    for name, tensor in named:
-        if layout is None or not is_fused_expert(name):
-            yield hub_name(model_type, name), tensor
-            continue
-        for e in range(tensor.shape[0]):
-            names = _expert_names(layout, name, e)
-            for hub, part in zip(names, tensor[e].chunk(len(names))):
-                yield hub, part.contiguous()

@@ -191,6 +191,12 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
                         "experts path (transformers' own experts), whose experts take no adapters yet; remove experts")
     if missing or not (targets or experts):
         names = sorted(_targets(blocks, ["all-linear"])) + ([EXPERTS] if routed_experts(blocks) else [])
+        if not names:  # GPT-2's blocks multiply with Conv1D
+            kinds = sorted({type(m).__name__ for block in blocks for m in block.modules()
+                            if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2})
+            raise LoRAError(f"lora.target_modules={cfg.target_modules}: the decoder blocks have no Linear layer to "
+                            f"adapt (their weights are in {', '.join(kinds) or 'no 2-D weight'}); train this "
+                            "architecture in full (lora.rank: 0)")
         raise LoRAError(f"lora.target_modules={cfg.target_modules}: {', '.join(missing) or 'nothing'} names no Linear "
                         f"layer{' or routed experts' if EXPERTS in missing else ''} of the decoder blocks; they have "
                         f"{', '.join(names)} (or all-linear)")

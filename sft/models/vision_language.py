@@ -136,6 +136,15 @@ class FileNames:
             return self.head
         return self.prefix + name.removeprefix(self.base) if name.startswith(self.base) else name
 
+    def in_model(self, file_name: str) -> str | None:
+        """The language model's name of the files' tensor `file_name`; None for a tensor outside it
+        (the vision tower), as `of` in reverse."""
+        if file_name == self.head:
+            return "lm_head.weight"
+        if file_name.startswith(self.prefix):
+            return self.base + file_name.removeprefix(self.prefix)
+        return file_name if self.prefix == self.base else None
+
     def metadata(self) -> dict[str, str]:
         return {"sft.base": self.base, "sft.prefix": self.prefix, "sft.head": self.head}
 

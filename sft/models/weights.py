@@ -2,8 +2,8 @@
 holds a full copy of the weights.
 
 * pretrained: straight from the safetensors files (`safe_open(...).get_slice`), so each rank reads
-  1/world of the checkpoint and no collective is needed; MoE experts from the hub's one tensor per
-  expert (sft/models/hub.py);
+  1/world of the checkpoint and no collective is needed; tensors the files hold otherwise than the
+  model (one per expert, renamed, q/k/v apart) converted as transformers converts them (sft/models/hub.py);
 * random: each parameter-holding module is initialised in full on the device by the
   architecture's own `_init_weights`, seeded by its name, one module at a time; the rank keeps its
   slice. The values are independent of the number of ranks.
@@ -59,15 +59,19 @@ class SafetensorsWeights:
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
-        # MoE: fused expert parameters are per-expert tensors in the hub files (sft/models/hub.py)
-        self.model_type = model.config.model_type
         self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
                        if not is_adapter(n)}
+        buffers = {name: tuple(b.shape) for name, b in persistent_buffers(model).items()}
         self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
         self.file_shapes = self._file_shapes_by_name()  # the files' headers, read once
         self.names = file_names(self.file_shapes, decoder(model)[0], tuple(model.get_input_embeddings().weight.shape))
+        # The files' tensors by the model's names, as transformers converts them (renamed, experts
+        # fused, q/k/v concatenated...: sft/models/hub.py)
+        in_model = {self.names.in_model(name): shape for name, shape in self.file_shapes.items()}
+        in_model.pop(None, None)
+        self.layout = hub.FileLayout(model, {**self.shapes, **buffers}, in_model)
 
     def digest(self) -> str:
         """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
@@ -112,33 +116,14 @@ class SafetensorsWeights:
                 shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
         return shapes
 
-    def _expected(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """The files' tensors that hold the model's parameters, by their names there, with their shapes."""
-        expected = {}
-        for name, shape in self.shapes.items():
-            if self.names.of(name) in shapes:
-                expected[self.names.of(name)] = shape
-            else:
-                expected.update({self.names.of(hub_name): hub_shape
-                                 for hub_name, hub_shape in hub.hub_shapes(self.model_type, name, shape).items()})
-        return expected
-
     def kept(self) -> list[str]:
         """The files' tensors the model does not hold (a vision-language checkpoint's vision tower)."""
-        return kept_names(self.weight_map, self._expected(self.file_shapes))
-
-    def _file_name(self, name: str) -> str | None:
-        """The files' name of the model's tensor `name` (under the hub's name where that differs), or
-        None where the files do not hold it as one tensor (fused experts: one tensor per expert)."""
-        for candidate in (self.names.of(name), self.names.of(hub.hub_name(self.model_type, name))):
-            if candidate in self.weight_map:
-                return candidate
-        return None
+        trained = {self.names.of(source) for name in self.layout.groups for source in self.layout.sources(name)}
+        return kept_names(self.weight_map, trained)
 
     def holds(self, name: str) -> bool:
-        """Whether the files hold the model's tensor `name`, as one tensor or, for fused experts in the
-        hub's layout, one per expert (a buffer may be absent: its init stands)."""
-        return self._file_name(name) is not None or (hub.is_fused_expert(name) and name in self.shapes)
+        """Whether the files hold the model's tensor `name` (a buffer may be absent: its init stands)."""
+        return name in self.layout.groups
 
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
@@ -148,29 +133,28 @@ class SafetensorsWeights:
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads."""
-        shapes = self.file_shapes
-        quantized = hub.quantized_experts_problem(self.source, shapes)
+        quantized = hub.quantized_experts_problem(self.source, self.file_shapes)
         if quantized:
             raise ModelError(quantized)
-        expected = self._expected(shapes)
-        wrong = [f"{name}: {shape} in the model of config.json, {shapes.get(name, 'absent')} in the files"
-                 for name, shape in expected.items() if shapes.get(name) != shape]
+        found = self.layout.shapes
+        wrong = [f"{name}: {shape} in the model of config.json, {found.get(name, 'absent')} in the files"
+                 for name, shape in self.shapes.items() if found.get(name) != shape]
         if wrong:
             raise ModelError(f"model.name_or_path={self.source!r}: its weights do not match its config.json "
                              f"({len(wrong)} tensors differ, "
                              f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
-        """Slice `index` of the model's parameter (or hub tensor) `name`."""
-        file_name = self._file_name(name)
-        if file_name is None and hub.is_fused_expert(name):
-            return hub.read_fused_slice(lambda hub, i: self.read(hub, i, device), self.model_type, name,
-                                        self.shapes[name], index)
-        file_name = file_name or self.names.of(name)  # absent: the KeyError names it (check() said so first)
+        """Slice `index` of the model's tensor `name` (absent: a KeyError naming it; check() said so first)."""
+        return self.layout.read(self._read_file, name, index).to(device)
+
+    def _read_file(self, model_name: str, index) -> torch.Tensor:
+        """Slice `index` of the files' tensor that the model would call `model_name`."""
+        file_name = self.names.of(model_name)
         # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
         # touched, so host memory holds at most one slice beyond the rank's own shards.
         with self._open(self.weight_map[file_name]) as f:
-            return f.get_slice(file_name)[index].to(device)
+            return f.get_slice(file_name)[index]
 
 
 # Parameters this small keep the value their module's constructor gave them where the architecture's

@@ -83,7 +83,7 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
         keys = set(f.keys())
     assert {expert_key, router_key} <= keys
     assert not any(k.endswith("experts.gate_up_proj") for k in keys)
-    assert {name for name, _ in to_hub_tensors(arch, model.state_dict().items()) if name != "lm_head.weight"} == keys
+    assert {name for name, _ in to_hub_tensors(model, model.state_dict().items()) if name != "lm_head.weight"} == keys
     meta = build_meta_model(ModelConfig(name_or_path=str(directory)))
     weights = SafetensorsWeights(str(directory), meta)
     weights.check()

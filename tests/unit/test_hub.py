@@ -1,0 +1,75 @@
+"""The hub's file layout (sft/models/hub.py): checkpoints as transformers saves them (`save_pretrained`,
+the layout they are published in) load into the model, whole or any slice, and an export writes what
+`save_pretrained` writes. The families of the table store tensors otherwise than the model holds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from helpers import tiny_config
+from sft.config import ModelConfig
+from sft.models.build import build_meta_model
+from sft.models.hub import to_hub_tensors
+from sft.models.weights import SafetensorsWeights
+
+# (family, config overrides, a tensor of its files that the model names otherwise)
+LAYOUTS = [
+    # q/k/v convolutions the model concatenates; the sparse block renamed; experts one tensor each
+    ("kimi_linear", dict(layer_types=["linear_attention", "full_attention"], num_key_value_heads=4,
+                         linear_num_heads=2, linear_head_dim=16), "model.layers.0.self_attn.q_conv1d.weight"),
+    ("olmo_hybrid", {}, "model.layers.0.attention_layer_norm.weight"),  # renamed norms, q/k/v convolutions
+    ("sarvam_moe", {}, "model.layers.0.attention.query_key_value.weight"),  # one q/k/v projection the model splits
+    ("gpt_neox", {}, "embed_out.weight"),  # a renaming transformers keys by class name
+    ("nemotron_h", {}, "backbone.embeddings.weight"),  # another prefix; experts without a gate
+    ("phimoe", {"router_jitter_noise": 0.0}, "model.layers.0.block_sparse_moe.experts.3.w1.weight"),
+    ("granitemoe", {}, "model.layers.0.block_sparse_moe.input_linear.weight"),
+]
+IDS = [row[0] for row in LAYOUTS]
+
+
+def _saved(tmp_path, family, overrides):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    with torch.no_grad():  # every tensor off its init, so that a tensor read from the wrong place is seen
+        for tensor in model.state_dict().values():
+            tensor.copy_(torch.randn_like(tensor) if tensor.is_floating_point() else tensor)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("family, overrides, stored", LAYOUTS, ids=IDS)
+def test_the_published_layout_loads_and_exports_as_transformers_saves_it(tmp_path, family, overrides, stored):
+    model = _saved(tmp_path, family, overrides)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        files = {name: f.get_tensor(name) for name in f.keys()}
+    assert stored in files and stored not in model.state_dict()
+    meta = build_meta_model(ModelConfig(name_or_path=str(tmp_path), attn_implementation="eager"))
+    weights = SafetensorsWeights(str(tmp_path), meta)
+    weights.check()
+    assert weights.kept() == []  # every tensor of the files is one of the model's
+    for name, tensor in model.named_parameters():
+        whole = weights.read(name, (), torch.device("cpu"))
+        assert torch.equal(whole, tensor.detach()), name
+        part = tuple(slice(size // 3, size - size // 4) for size in tensor.shape)  # what a rank's shard asks for
+        assert torch.equal(weights.read(name, part, torch.device("cpu")), tensor.detach()[part]), name
+    exported = dict(to_hub_tensors(model, model.state_dict().items()))
+    assert exported.keys() == files.keys()
+    assert all(torch.equal(exported[name], files[name]) for name in files)
+
+
+def test_a_sharded_model_finds_the_renamings_transformers_keys_by_class_name(tmp_path):
+    """FSDP2 gives each module it shards a subclass of its own (FSDPGPTNeoXForCausalLM): its files'
+    embed_out is still read as lm_head, and the class is left as it was."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _saved(tmp_path, "gpt_neox", {})
+    meta = build_meta_model(ModelConfig(name_or_path=str(tmp_path)))
+    sharded = type(f"FSDP{type(meta).__name__}", (FSDPModule, type(meta)), {})
+    meta.__class__ = sharded
+    weights = SafetensorsWeights(str(tmp_path), meta)
+    weights.check()
+    assert type(meta) is sharded
+    assert torch.equal(weights.read("lm_head.weight", (), torch.device("cpu")), model.lm_head.weight.detach())
