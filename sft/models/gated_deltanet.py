@@ -23,9 +23,9 @@ them for packed rows of a model that sft/models/packing.py's `enable_exact_packi
 transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
 convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
 (RESTARTING_LAYERS), so that they restart at each document as well. Kimi's delta attention
-layers call that convolution and `chunk_kimi_delta_attention`: for a packed row
-that runs one document at a time, through whatever transformers chose for it (fla's kernel on a GPU
-where fla is installed; flash-linear-attention's varlen form of it is not used yet).
+layers call that convolution and `chunk_kimi_delta_attention`: for a packed row, on a GPU with fla,
+fla's chunked Kimi delta attention takes the documents as its sequences (`cu_seqlens`), as the delta
+rule above; elsewhere it runs one document at a time through transformers' torch function.
 """
 
 from __future__ import annotations
@@ -85,26 +85,36 @@ RESTARTING_LAYERS = {
 
 def restarting_modules(model: PreTrainedModel) -> dict[str, list[object]]:
     """For each kind of RESTARTING_LAYERS, the modeling modules of `model`'s layers of that kind that
-    define the functions replaced for it."""
+    define the functions replaced for it, where the layers pass their call's keyword arguments (the
+    documents' ends) on to them: LFM2's short convolutions in transformers 5.17 take none, and would
+    mix the documents."""
     found: dict[str, set] = {kind: set() for kind in RESTARTING_LAYERS}
     for m in model.modules():
         for kind in RESTARTING_LAYERS:
-            if type(m).__name__.endswith(kind):
+            if type(m).__name__.endswith(kind) and _passes_keywords(type(m)):
                 found[kind].add(sys.modules[type(m).__module__])
     return {kind: [module for module in modules if all(hasattr(module, f) for f in RESTARTING_LAYERS[kind])]
             for kind, modules in found.items()}
 
 
+def _passes_keywords(layer: type) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(layer.forward).parameters.values())
+
+
 @functools.cache
 def fla_kernels() -> SimpleNamespace | None:
-    """flash-linear-attention's chunked gated delta rule and causal convolution (and the keyword
-    arguments the delta rule takes), None where fla is not installed."""
+    """flash-linear-attention's chunked gated delta rule, causal convolution and chunked Kimi delta
+    attention (and the keyword arguments the delta rule takes), None where fla is not installed."""
     try:
         delta_rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
     except Exception:  # noqa: BLE001 -- as transformers: fla that cannot be imported here leaves the torch functions
         return None
-    return SimpleNamespace(delta_rule=delta_rule, conv=torch.compiler.disable(conv),
+    try:
+        kda = importlib.import_module("fla.ops.kda").chunk_kda
+    except Exception:  # noqa: BLE001 -- an fla without Kimi delta attention: packed, its documents run one at a time
+        kda = None
+    return SimpleNamespace(delta_rule=delta_rule, conv=torch.compiler.disable(conv), kda=kda,
                            delta_rule_args=frozenset(inspect.signature(delta_rule).parameters),
                            version=importlib.import_module("fla").__version__)
 
@@ -145,7 +155,7 @@ def install_gated_deltanet_functions(model: PreTrainedModel) -> bool:
         if module in modules and not getattr(module.torch_chunk_gated_delta_rule, "by_document", False):
             module.torch_chunk_gated_delta_rule = _delta_rule_by_document(module.torch_chunk_gated_delta_rule, kernels)
         if module in kimi and not getattr(module.chunk_kimi_delta_attention, "by_document", False):
-            module.chunk_kimi_delta_attention = _kimi_delta_by_document(module.chunk_kimi_delta_attention)
+            module.chunk_kimi_delta_attention = _kimi_delta_by_document(module.chunk_kimi_delta_attention, kernels)
     return bool(modules)
 
 
@@ -238,8 +248,9 @@ def _delta_rule_by_document(original, kernels: SimpleNamespace | None):
     return chunk_gated_delta_rule
 
 
-def _kimi_delta_by_document(original):
+def _kimi_delta_by_document(original, kernels: SimpleNamespace | None):
     reference = getattr(original, "__wrapped__", original)  # transformers' torch function
+    varlen = kernels.kda if kernels is not None else None
 
     @torch.compiler.disable  # a loop over the row's documents: compiled, it would recompile for every packing
     def by_document(function, flat: list[torch.Tensor], ends: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -256,7 +267,12 @@ def _kimi_delta_by_document(original):
         batch, length = query.shape[:2]
         flat = [t.reshape(1, batch * length, *t.shape[2:]) for t in (query, key, value, g, beta)]
         # every document from a zero state, as if it had a row of its own
-        out = by_document(function, flat, ends.on_host, **kwargs)
+        if query.is_cuda and varlen is not None:  # fla's kernel, the documents as its sequences: one call
+            out, _ = varlen(*flat, initial_state=None, output_final_state=False,
+                            use_qk_l2norm_in_kernel=kwargs.get("use_qk_l2norm_in_kernel", False),
+                            cu_seqlens=ends.on_device, cu_seqlens_cpu=ends.on_host)
+        else:
+            out = by_document(function, flat, ends.on_host, **kwargs)
         return out.reshape(batch, length, *out.shape[2:]), None
 
     chunk_kimi_delta_attention.by_document = True

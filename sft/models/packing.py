@@ -116,7 +116,8 @@ def check_packing(model: PreTrainedModel, packing: bool) -> None:
     if not _packs_exactly(model):
         raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
                            "mixing documents, and only Gated DeltaNet, Kimi delta attention and short convolution "
-                           "layers restart per document yet; set data.packing=false")
+                           "layers that pass on their call's keyword arguments (transformers 5.24's do) restart per "
+                           "document yet; set data.packing=false")
     enable_exact_packing(model)
 
 
