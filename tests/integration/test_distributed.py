@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import (gated_deltanet_model_dir, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun,
-                     short_convolution_model_dir)
+                     saved_model_dir, short_convolution_model_dir)
 from sft.training.metrics import read_metrics
 
 
@@ -474,3 +474,14 @@ def test_loading_an_hf_checkpoint_is_exact_and_sharded(tmp_path):
     assert full_gib > 0.4
     for increase in run["load_rss_increase_gib"]:
         assert increase < 0.7 * full_gib, (run["load_rss_increase_gib"], full_gib)
+
+
+def test_a_published_layout_loads_sharded_as_transformers_loads_it(tmp_path):
+    """Kimi-Linear as transformers saves it (its q/k/v convolutions apart, its sparse blocks under
+    block_sparse_moe, one tensor per expert) loads on 2 ranks, each reading its slices through
+    transformers' conversions (a rank's half of the concatenated convolution spans two of the files'
+    tensors): every gathered parameter equals transformers' own from_pretrained."""
+    directory = saved_model_dir(tmp_path, "kimi_linear", layer_types=["linear_attention", "full_attention"],
+                                num_key_value_heads=4, linear_num_heads=2, linear_head_dim=16)
+    launch(tmp_path, 2, {"load": ["--model", str(directory), "--load", str(directory)]})
+    assert torch.load(tmp_path / "load.pt")["load_mismatches"] == []
