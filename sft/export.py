@@ -33,7 +33,7 @@ from sft.errors import UserError, run_command
 from sft.models.build import build_meta_model, load_tokenizer, persistent_buffers
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.models.peft_format import merged, write_adapter
-from sft.models.vision_language import KEPT, FileNames
+from sft.models.vision_language import KEPT, FileNames, checkpoint_class
 from sft.models.weights import initial_weights
 
 
@@ -78,7 +78,7 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
                 # As save_pretrained writes them: experts one tensor each, renamed, ... (sft/models/hub.py)
                 kept_dtype = _kept_in_their_dtype(model)
                 trained = to_hub_tensors(model, ((n, t if n in kept_dtype else t.to(DTYPES[dtype]))
-                                                 for n, t in tensors))
+                                                 for n, t in tensors), checkpoint_class(checkpoint / HF_FILES))
                 kept = checkpoint / HF_FILES / KEPT
                 if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
                     write_safetensors(_with_kept(trained, kept), tmp)

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
 from helpers import synthetic_global_batch
 from sft.data.collate import collate, collate_packed
 from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, FSDPConfig, LoRAConfig, MoEConfig,

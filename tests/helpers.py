@@ -290,6 +290,13 @@ VISION_LANGUAGE = {
     "glm4v": dict(text_config=dict(_TINY_TEXT, rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
                                                                      rope_theta=10000.0, partial_rotary_factor=0.5)),
                   vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),
+    # GLM-4.5V: DeepSeek-style routed and shared experts; its files hold one tensor per expert, which
+    # transformers merges by the vision-language class's conversions (its text model has none)
+    "glm4v_moe": dict(text_config=dict(_TINY_TEXT, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=0,
+                                       n_shared_experts=1, moe_intermediate_size=32,
+                                       rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2],
+                                                            rope_theta=10000.0, partial_rotary_factor=0.5)),
+                      vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)),
     # Llama-4: mixture-of-experts blocks between dense ones, chunked attention
     "llama4": dict(text_config=dict(_TINY_TEXT, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
                                     interleave_moe_layer_step=2, attention_chunk_size=64),

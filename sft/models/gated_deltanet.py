@@ -89,12 +89,13 @@ def restarting_modules(model: PreTrainedModel) -> dict[str, list[object]]:
     documents' ends) on to them: LFM2's short convolutions in transformers 5.17 take none, and would
     mix the documents."""
     found: dict[str, set] = {kind: set() for kind in RESTARTING_LAYERS}
+    mixing: dict[str, set] = {kind: set() for kind in RESTARTING_LAYERS}
     for m in model.modules():
         for kind in RESTARTING_LAYERS:
-            if type(m).__name__.endswith(kind) and _passes_keywords(type(m)):
-                found[kind].add(sys.modules[type(m).__module__])
-    return {kind: [module for module in modules if all(hasattr(module, f) for f in RESTARTING_LAYERS[kind])]
-            for kind, modules in found.items()}
+            if type(m).__name__.endswith(kind):
+                (found if _passes_keywords(type(m)) else mixing)[kind].add(sys.modules[type(m).__module__])
+    return {kind: [module for module in modules - mixing[kind]
+                   if all(hasattr(module, f) for f in RESTARTING_LAYERS[kind])] for kind, modules in found.items()}
 
 
 def _passes_keywords(layer: type) -> bool:

@@ -8,8 +8,12 @@ applies and `save_pretrained` reverts) is the source of truth for every family i
 may name a tensor otherwise than the model (Mixtral's `block_sparse_moe`, gpt-neox's `embed_out`,
 OLMo-hybrid's norms). They may hold one tensor per expert where the model fuses them, q/k/v
 convolutions that the model concatenates (Kimi-Linear, OLMo-hybrid), or one q/k/v projection that
-the model splits (Sarvam-MoE). A slice of fused experts is read expert by expert, so that a rank
-reads only its own shard; every other converted tensor is small enough to assemble whole.
+the model splits (Sarvam-MoE). A vision-language checkpoint's own conversions of its language
+model's tensors apply too (GLM-4.5V's experts one tensor each, Qwen3-VL-MoE's transposed).
+
+A rank reads only its own slice of a tensor stacked from one per expert (expert by expert),
+concatenated from several (piece by piece) or transposed; a tensor made otherwise (split,
+interleaved) is assembled whole on each rank, then sliced.
 """
 
 from __future__ import annotations
@@ -79,15 +83,20 @@ def _classes_as_built(model: nn.Module) -> Iterator[None]:
             module.__class__ = cls
 
 
-def _transforms(model: nn.Module, loading: bool) -> tuple[list, list]:
+def _transforms(model: nn.Module, loading: bool, vision_language: tuple[str, str] | None) -> tuple[list, list]:
     """(renamings, converters) of `model` in transformers' conversion mapping: as `from_pretrained`
     applies them (`loading`, its legacy renamings included), or reversed, as `save_pretrained`
-    writes a model it did not load."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+    writes a model it did not load. `vision_language`: the class and model type of the
+    vision-language checkpoint that `model` is the language model of, whose converters apply to the
+    language model's tensors too (its renamings move prefixes: sft/models/vision_language.py does)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter
 
     with _classes_as_built(model):
         transforms = get_model_conversion_mapping(model, add_legacy=loading)
+    if vision_language:
+        own = next((found for name in vision_language if (found := get_checkpoint_conversion_mapping(name))), [])
+        transforms += [t for t in own if isinstance(t, WeightConverter)]
     if not loading:  # a prefix change cannot be told apart once undone: save_pretrained leaves it out too
         transforms = [t.reverse_transform() for t in transforms[::-1] if not isinstance(t, PrefixChange)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -121,10 +130,11 @@ class FileLayout:
     checkpoint's files (`file_shapes`, named as the model would name them: a vision-language
     checkpoint's prefix already taken off), as transformers' `from_pretrained` would find it."""
 
-    def __init__(self, model: nn.Module, shapes: dict[str, tuple[int, ...]], file_shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, model: nn.Module, shapes: dict[str, tuple[int, ...]], file_shapes: dict[str, tuple[int, ...]],
+                 vision_language: tuple[str, str] | None = None):
         from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-        renamings, converters = _transforms(model, loading=True)
+        renamings, converters = _transforms(model, loading=True, vision_language=vision_language)
         by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
         prefix = getattr(model, "base_model_prefix", "")
         self.model = _Shapes(model.config, shapes)
@@ -137,6 +147,8 @@ class FileLayout:
             if target not in shapes:
                 continue  # not the model's (a vision tower, a multi-token-prediction head): kept or ignored
             group = groups.setdefault(target, _Group(copy.deepcopy(by_pattern[pattern]) if pattern else None))
+            if group.converter is None and group.sources:
+                continue  # a second tensor for the same name (embed_out and lm_head): the first counts, as there
             group.sources.setdefault(pattern or key, []).append(key)
         # What each group gives, found by converting empty tensors of the files' shapes
         self.groups: dict[str, tuple[str, _Group]] = {}
@@ -146,7 +158,7 @@ class FileLayout:
             for name, tensor in made.items():
                 self.groups[name] = (first, group)
                 self.shapes[name] = tuple(tensor.shape)
-        self._last: tuple[str, dict[str, torch.Tensor]] | None = None
+        self._last: tuple[str, dict[str, torch.Tensor]] | None = None  # the last group assembled whole
 
     def _convert(self, first: str, group: _Group, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's tensors that `group` makes, from the files' tensors `load` gives."""
@@ -164,46 +176,68 @@ class FileLayout:
         """The files' tensors that model tensor `name` is made of."""
         return self.groups[name][1].file_names()
 
-    def file_name(self, name: str) -> str | None:
-        """The files' name of model tensor `name` where one file tensor holds it as it is."""
-        first, group = self.groups[name]
-        return group.file_names()[0] if group.converter is None else None
-
     def read(self, read: Callable[[str, tuple[slice, ...]], torch.Tensor], name: str,
              index: tuple[slice, ...]) -> torch.Tensor:
         """Slice `index` of model tensor `name`, from the files' tensors (`read(file name, index)`)."""
         first, group = self.groups[name]
         if group.converter is None:
             return read(group.file_names()[0], index)
+        index = tuple(index) + (slice(None),) * (len(self.shapes[name]) - len(index))
+        index = tuple(slice(*part.indices(size)[:2]) for part, size in zip(index, self.shapes[name]))
+        patterns = [p for p in group.converter.source_patterns if p in group.sources]  # in the converter's order
         if _stacks_experts(group.converter):
-            return self._read_experts(read, group, self.shapes[name], index)
+            experts, rows, cols = index
+            parts = [self._read_pieces(read, [group.sources[p][e] for p in patterns], 0, (rows, cols))
+                     for e in range(experts.start, experts.stop)]
+            return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
+        if (dim := _concatenates(group.converter)) is not None:
+            return self._read_pieces(read, [file for p in patterns for file in group.sources[p]], dim, index)
+        if (dims := _transposes(group.converter)) is not None:  # Qwen3-VL-MoE's experts as published
+            (file,), (d0, d1, where_shapes_differ) = group.file_names(), dims
+            if where_shapes_differ and self.file_shapes[file] == self.shapes[name]:
+                return read(file, index)
+            swapped = list(index)
+            swapped[d0], swapped[d1] = index[d1], index[d0]
+            return read(file, tuple(swapped)).transpose(d0, d1)
         if self._last is None or self._last[0] != first:  # q, k and v of one split come from one conversion
             self._last = first, self._convert(first, group, lambda file: read(file, ...))
         return self._last[1][name][index]
 
-    def _read_experts(self, read, group: _Group, shape: tuple[int, ...], index: tuple[slice, ...]) -> torch.Tensor:
-        """Slice `index` of fused experts, reading only the experts and rows in it: expert e's rows are
-        its tensors of each source pattern one after the other (gate then up), as the converter makes them."""
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        experts, rows, cols = (slice(*part.indices(size)[:2]) for part, size in zip(index, shape))
-        patterns = [p for p in group.converter.source_patterns if p in group.sources]
-        parts = []
-        for e in range(experts.start, experts.stop):
-            pieces, begin = [], 0
-            for pattern in patterns:
-                file = group.sources[pattern][e]
-                end = begin + self.file_shapes[file][0]
-                if max(rows.start, begin) < min(rows.stop, end):
-                    pieces.append(read(file, (slice(max(rows.start, begin) - begin, min(rows.stop, end) - begin),
-                                              cols)))
-                begin = end
-            parts.append(torch.cat(pieces))
-        return torch.stack(parts) if parts else torch.empty((0, rows.stop - rows.start, cols.stop - cols.start))
+    def _read_pieces(self, read, files: list[str], dim: int, index: tuple[slice, ...]) -> torch.Tensor:
+        """Slice `index` of the concatenation of `files` along `dim`, reading only the pieces in it."""
+        wanted, pieces, begin = index[dim], [], 0
+        for file in files:
+            end = begin + self.file_shapes[file][dim]
+            if max(wanted.start, begin) < min(wanted.stop, end) or (not pieces and end >= wanted.stop):
+                part = slice(max(wanted.start, begin) - begin, max(min(wanted.stop, end) - begin, 0))
+                pieces.append(read(file, index[:dim] + (part,) + index[dim + 1:]))
+            begin = end
+        return torch.cat(pieces, dim)
+
+
+def _concatenates(converter) -> int | None:
+    """The dimension along which `converter` only concatenates the files' tensors (q/k/v
+    convolutions, an embedding kept in shards), None where it does more."""
+    from transformers.core_model_loading import Concatenate
+
+    ops = converter.operations
+    return ops[0].dim if len(ops) == 1 and type(ops[0]) is Concatenate else None
+
+
+def _transposes(converter) -> tuple[int, int, bool] | None:
+    """The two dimensions that `converter` only swaps, and whether only where the shapes differ from
+    the model's; None where it does more."""
+    from transformers.core_model_loading import Transpose
+
+    ops = converter.operations
+    if len(ops) != 1 or type(ops[0]) is not Transpose or len(converter.source_patterns) != 1:
+        return None
+    return ops[0].dim0, ops[0].dim1, getattr(ops[0], "check_dims", False)
 
 
 def _stacks_experts(converter) -> bool:
     """Whether `converter` stacks one 2-D tensor per expert into a 3-D one, concatenating the tensors
-    of each expert's row by row where there are several (gate and up): what `_read_experts` reads."""
+    of each expert's row by row where there are several (gate and up), in its source patterns' order."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = converter.operations
@@ -211,11 +245,12 @@ def _stacks_experts(converter) -> bool:
             and all(isinstance(op, Concatenate) and op.dim == 1 for op in ops[1:]) and len(ops) <= 2)
 
 
-def to_hub_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def to_hub_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]],
+                   vision_language: tuple[str, str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's (name, tensor) pairs as `save_pretrained` writes them: transformers' conversion
-    mapping reverted, tensor by tensor (those a conversion needs together, e.g. q, k and v that the
-    files hold as one, are held until the last of them comes)."""
-    renamings, converters = _transforms(model, loading=False)
+    mapping reverted (`vision_language`: as FileLayout's), tensor by tensor (those a conversion needs
+    together, e.g. q, k and v that the files hold as one, are held until the last of them comes)."""
+    renamings, converters = _transforms(model, loading=False, vision_language=vision_language)
 
     def renamed(name: str) -> str:
         for renaming in renamings:

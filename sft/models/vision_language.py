@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -151,6 +153,15 @@ class FileNames:
     @classmethod
     def from_metadata(cls, metadata: dict[str, str]) -> FileNames:
         return cls(metadata["sft.base"], metadata["sft.prefix"], metadata["sft.head"])
+
+
+def checkpoint_class(directory: Path) -> tuple[str, str] | None:
+    """The class and model type that a vision-language checkpoint's config.json names (by which
+    transformers finds its conversions of the files' tensors); None for a text model's."""
+    config = json.loads((directory / "config.json").read_text())
+    if "text_config" not in config:
+        return None
+    return (config.get("architectures") or [""])[0], config.get("model_type", "")
 
 
 def file_names(file_shapes: dict[str, tuple[int, ...]], base: str, embedding: tuple[int, ...]) -> FileNames:

@@ -34,7 +34,7 @@ from sft.models.build import (ModelError, build_meta_model, clean_name, decoder,
 from sft.models.lora import initial_adapter
 from sft.models.nf4 import full_shape, is_nf4, quantized
 from sft.models.peft_format import is_adapter
-from sft.models.vision_language import KEPT, file_names, is_vision_language, kept_names
+from sft.models.vision_language import KEPT, checkpoint_class, file_names, is_vision_language, kept_names
 
 
 class SafetensorsWeights:
@@ -71,7 +71,7 @@ class SafetensorsWeights:
         # fused, q/k/v concatenated...: sft/models/hub.py)
         in_model = {self.names.in_model(name): shape for name, shape in self.file_shapes.items()}
         in_model.pop(None, None)
-        self.layout = hub.FileLayout(model, {**self.shapes, **buffers}, in_model)
+        self.layout = hub.FileLayout(model, {**self.shapes, **buffers}, in_model, checkpoint_class(root))
 
     def digest(self) -> str:
         """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
