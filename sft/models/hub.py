@@ -146,7 +146,7 @@ class FileLayout:
                 target, pattern = key, None
             if target not in shapes:
                 continue  # not the model's (a vision tower, a multi-token-prediction head): kept or ignored
-            group = groups.setdefault(target, _Group(copy.deepcopy(by_pattern[pattern]) if pattern else None))
+            group = groups.setdefault(target, _Group(by_pattern[pattern] if pattern else None))  # (copied to convert)
             if group.converter is None and group.sources:
                 continue  # a second tensor for the same name (embed_out and lm_head): the first counts, as there
             group.sources.setdefault(pattern or key, []).append(key)

@@ -12,6 +12,7 @@ holds a full copy of the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import zlib
@@ -59,19 +60,23 @@ class SafetensorsWeights:
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
+        self.model = model
         self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
                        if not is_adapter(n)}
-        buffers = {name: tuple(b.shape) for name, b in persistent_buffers(model).items()}
         self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
         self.file_shapes = self._file_shapes_by_name()  # the files' headers, read once
         self.names = file_names(self.file_shapes, decoder(model)[0], tuple(model.get_input_embeddings().weight.shape))
-        # The files' tensors by the model's names, as transformers converts them (renamed, experts
-        # fused, q/k/v concatenated...: sft/models/hub.py)
+
+    @functools.cached_property
+    def layout(self) -> hub.FileLayout:
+        """The files' tensors by the model's names, as transformers converts them (renamed, experts
+        fused, q/k/v concatenated...: sft/models/hub.py); not needed for a digest."""
         in_model = {self.names.in_model(name): shape for name, shape in self.file_shapes.items()}
         in_model.pop(None, None)
-        self.layout = hub.FileLayout(model, {**self.shapes, **buffers}, in_model, checkpoint_class(root))
+        buffers = {name: tuple(b.shape) for name, b in persistent_buffers(self.model).items()}
+        return hub.FileLayout(self.model, {**self.shapes, **buffers}, in_model, checkpoint_class(self.root))
 
     def digest(self) -> str:
         """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
