@@ -114,23 +114,37 @@ def joined_content_parts(messages: list) -> list:
     """The messages with OpenAI content parts (`[{"type": "text", "text": ...}, ...]`, the format of
     multimodal-era datasets) as the text a string-content chat template renders: the text parts
     joined by newlines, as vLLM joins them for such templates at inference. A part of another type
-    (an image, audio) drops the sample: training on it is not supported yet."""
+    (an image, audio) drops the sample: training on it is not supported yet; so does a part that is
+    not a text part as written (no type, no text or text that is not a string) and an empty list:
+    guessing would train an empty or wrong turn."""
     if not isinstance(messages, list):
         return messages
     out = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            if not all(isinstance(part, dict) for part in content):
-                raise DropSample(f"{m.get('role')} content is a list of other things than content parts "
-                                 "({\"type\": \"text\", \"text\": ...})")
-            other = next((part.get("type") for part in content if part.get("type") != "text"), None)
-            if other is not None:
-                raise DropSample(f"{m.get('role')} content has a {other!r} part: only text parts train (images and "
-                                 "audio are not supported yet)")
-            m = {**m, "content": "\n".join(part.get("text") or "" for part in content)}
+            if not content:
+                raise DropSample(f"{m.get('role')} content is an empty list of content parts")
+            m = {**m, "content": "\n".join(_part_text(m.get("role"), part) for part in content)}
         out.append(m)
     return out
+
+
+def _part_text(role: str, part: Any) -> str:
+    """The text of a content part of a `role` message; DropSample for anything but a text part."""
+    example = '{"type": "text", "text": "..."}'
+    if not isinstance(part, dict):
+        raise DropSample(f"{role} content is a list of other things than content parts ({example})")
+    if "type" not in part:
+        raise DropSample(f"{role} content has a part without a type (keys {', '.join(map(str, part))}): write it as "
+                         f"{example}")
+    if part["type"] != "text":
+        raise DropSample(f"{role} content has a {part['type']!r} part: only text parts train (images and audio are "
+                         "not supported yet)")
+    if not isinstance(part.get("text"), str):
+        found = "no text" if part.get("text") is None else f"a text that is {type(part['text']).__name__}"
+        raise DropSample(f"{role} content has a text part with {found}, expected a string: {example}")
+    return part["text"]
 
 
 def validate_messages(messages: Any) -> None:

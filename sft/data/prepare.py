@@ -103,7 +103,8 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
         log0(f"data: dropped {count}/{len(tokenized)} {split_name} samples: {reason} (first: {at} of {path})")
     if kept == 0:
         raise DataError(f"{source}: every {split_name} sample was dropped "
-                        f"({'; '.join(f'{n}x {r}' for r, (n, _) in report.drops.items())}); nothing to train on")
+                        f"({'; '.join(f'{n}x {r}' for r, (n, _) in report.drops.items())}); nothing to "
+                        f"{'train' if split_name == 'train' else 'evaluate'} on")
     if report.truncated:
         log0(f"data: data.max_seq_len={cfg.max_seq_len} cut {report.truncated}/{kept} {split_name} samples")
     if report.expanded:
@@ -141,7 +142,9 @@ def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
     train, train_report = _tokenize(rows, tokenizer, cfg, cfg.path, f"data.path={cfg.path}", "train")
     if eval_rows is None:
         return train, None, {"train": train_report}
-    evals, eval_report = _tokenize(eval_rows, tokenizer, cfg, eval_path, f"data.eval={eval_path}", "eval")
+    source = f"data.eval_path={cfg.eval_path}" if cfg.eval_path else \
+        f"data.eval_fraction={cfg.eval_fraction} of data.path={cfg.path}"
+    evals, eval_report = _tokenize(eval_rows, tokenizer, cfg, eval_path, source, "eval")
     return train, evals, {"train": train_report, "eval": eval_report}
 
 

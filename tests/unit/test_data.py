@@ -100,6 +100,16 @@ def test_every_sample_dropped_is_an_error(tmp_path, tok):
         load(tok, path)
 
 
+def test_every_eval_sample_dropped_names_the_eval_key(tmp_path, tok):
+    good = tmp_path / "train.jsonl"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    bad = tmp_path / "eval.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match=f"^data.eval_path={bad}: every eval sample was dropped "
+                                        r"\(1x no assistant turn\); nothing to evaluate on$"):
+        load(tok, good, eval_path=str(bad))
+
+
 @pytest.mark.parametrize("content, message, suffix", [
     (None, "file not found", "jsonl"),
     ("", "the dataset is empty", "jsonl"),

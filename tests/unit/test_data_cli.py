@@ -88,3 +88,35 @@ def test_expanded_rows_are_shown_as_such(capsys, tmp_path):
             f"+2 rows, +{lengths[0] + lengths[1]:,} tokens ({(lengths[0] + lengths[1]) / sum(lengths):.1%} of the tokens)"
             ) in out
     assert "  reasoning: 2/3 assistant turns carry reasoning, passed to the chat template as reasoning_content" in out
+
+
+# A content part that is not a text part as written, and the reason its row is dropped for (never a
+# traceback, never an empty turn that trains)
+BAD_PARTS = {
+    '{"type": "text", "text": 5}': "user content has a text part with a text that is int, expected a string",
+    '{"type": "text"}': "user content has a text part with no text, expected a string",
+    '{"type": "text", "text": null}': "user content has a text part with no text, expected a string",
+    '{"text": "hi"}': "user content has a part without a type (keys text)",
+    '{"image_url": {"url": "x.png"}}': "user content has a part without a type (keys image_url)",
+    '{"type": "image_url", "image_url": {"url": "x.png"}}': "user content has a 'image_url' part: only text parts",
+    '"hi"': "user content is a list of other things than content parts",
+}
+
+
+def test_content_parts_that_are_not_text_parts_drop_their_row_with_the_reason(capsys, tmp_path):
+    good = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}, {"role": "assistant", "content": "Hello."}]
+    lines = [json.dumps({"messages": good})]
+    lines += ['{"messages": [{"role": "user", "content": [%s]}, {"role": "assistant", "content": "x"}]}' % part
+              for part in BAD_PARTS]
+    lines.append(json.dumps({"messages": [{"role": "user", "content": []}, {"role": "assistant", "content": "x"}]}))
+    path = tmp_path / "parts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = run(capsys, tmp_path, f"data.path={path}", "data.eval_path=null")
+    assert f"train: kept 1/{len(lines)} rows" in out
+    # the two text parts with no text share their reason: the first row counts
+    reasons = {reason: line for line, reason in reversed(list(enumerate(
+        [*BAD_PARTS.values(), "user content is an empty list of content parts"], start=2)))}
+    for reason, line in reasons.items():
+        count = list(BAD_PARTS.values()).count(reason) or 1
+        shown = [text for text in out.splitlines() if text.startswith(f"  dropped {count}: {reason}")]
+        assert len(shown) == 1 and shown[0].endswith(f"(first: line {line})"), (reason, out)

@@ -1,6 +1,7 @@
 """The memory planner against the peaks measured on the GPUs (docs/BENCHMARKS.md)."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -701,3 +702,16 @@ def test_out_of_memory_below_the_prediction_never_suggests_the_setting_that_fail
     assert suggest(s, cfg, Machine.of(2, 80.0))[:3] == (0.75, "ops_half", 2)
     err = out_of_memory_line(cfg, capsys, monkeypatch, 60.0)
     assert "): set ac.ratio=" in err and "set ac.ratio=0.75 ac.mode=ops_half train.micro_batch_size=2 " not in err
+
+
+# `python -m sft.plan ... # N GiB predicted` as the README and docs show it
+PLAN_FIGURE = re.compile(r"python -m sft\.plan (.+?)\s+# ([\d.]+) GiB predicted")
+
+
+def test_the_planner_figures_in_the_readme_and_docs_are_what_it_prints(at_repo, capsys):
+    shown = [(doc.name, *match.groups()) for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+             if doc.name != "BENCHMARKS.md" for match in PLAN_FIGURE.finditer(doc.read_text())]
+    assert len(shown) >= 2, shown  # the README's and docs/lora.md's QLoRA 72B line at least
+    for doc, argv, gib in shown:
+        _, out = plan_cli(capsys, *argv.split())  # offline: the shapes configs/models ships
+        assert f"): {gib} GiB per GPU predicted" in out, (doc, argv, out.splitlines()[-3])
