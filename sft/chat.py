@@ -18,8 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from sft.config import is_local_path
 from sft.errors import UserError, run_command
-from sft.models.peft_format import CONFIG_FILE, merged, read_adapter, unmatched
+from sft.models.peft_format import BASE_WEIGHTS, CONFIG_FILE, in_model, merged, read_adapter, unmatched
 from sft.models.vision_language import causal_class, is_vision_language
+from sft.models.weights import WEIGHTS_DIGEST, SafetensorsWeights, base_changed
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -32,6 +33,21 @@ def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperatu
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
+def _check_base(adapter: Path, recorded: str, base: str, model, allowed: bool) -> None:
+    """Refuse (UserError) a base whose weights are not those the adapter was trained on (as its
+    adapter_config.json `recorded` them), unless `allowed`."""
+    if not recorded.startswith(WEIGHTS_DIGEST):  # a base of random init, or an adapter from before the record
+        return
+    current = SafetensorsWeights(base, model).digest()
+    if not base_changed(recorded, current):
+        return
+    if not allowed:
+        raise UserError(f"{adapter}: its adapters were trained on other weights than {base} holds now "
+                        f"({recorded} -> {current}): point base_model_name_or_path at the base it was trained on, "
+                        "or pass --allow-base-change to use this one anyway")
+    print(f"warning: {base} is not the base {adapter.parent} was trained on (--allow-base-change)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir", help="an export directory (or any Hugging Face chat model)")
@@ -39,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--system", help="an optional system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--allow-base-change", action="store_true",
+                        help="a LoRA adapter: use its base even if the base's weights changed since training")
     args = parser.parse_args(argv)
     model_dir = Path(args.model_dir).expanduser()
     adapter = model_dir / CONFIG_FILE
@@ -49,14 +67,20 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if adapter.is_file():  # a LoRA adapter: its base, with the adapter merged in
-        config, trained, scaling = read_adapter(model_dir)
+        config, tensors, scaling = read_adapter(model_dir)
         base = config["base_model_name_or_path"]
         try:
+            if is_vision_language(AutoConfig.from_pretrained(base)):
+                raise UserError(f"{adapter}: an adapter of a vision-language base ({base}) is of its language model "
+                                "alone: export the checkpoint with --merge (python -m sft.export CHECKPOINT OUT "
+                                "--merge) and chat with that")
             model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
         except OSError as e:  # not there (moved, deleted, a hub id not in the cache offline)
             raise UserError(f"{adapter}: its base_model_name_or_path {base!r} cannot be loaded "
                             f"({' '.join(str(e).split())[:200]}); put the base model there, or write its new place "
                             "into base_model_name_or_path") from None
+        _check_base(adapter, config.get(BASE_WEIGHTS, ""), base, model, args.allow_base_change)
+        trained = in_model(tensors, config, model)
         if unknown := unmatched(trained, model):
             raise UserError(f"{adapter}: {len(unknown)} of its tensors match no parameter of {base} (e.g. "
                             f"{unknown[0]}): it was trained on another model; give that model as "

@@ -16,6 +16,7 @@ output shard, 5 GiB) and written as they come.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import warnings
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ from sft.models.build import build_meta_model, load_tokenizer, persistent_buffer
 from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.models.peft_format import merged, write_adapter
 from sft.models.vision_language import KEPT, FileNames, checkpoint_class
-from sft.models.weights import initial_weights
+from sft.models.weights import base_changed, base_identity, initial_weights
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,9 +53,11 @@ def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[
         yield from group.items()
 
 
-def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: bool = False) -> str:
+def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: bool = False,
+              allow_base_change: bool = False) -> str:
     """Write `out_dir` (atomically) from the committed checkpoint directory `checkpoint`: the model,
-    or a LoRA run's adapter (`merge`: the model with the adapter merged in); return which, for the log."""
+    or a LoRA run's adapter (`merge`: the model with the adapter merged in); return which, for the log.
+    A LoRA run's base whose weights changed since training is refused unless `allow_base_change`."""
     # The checkpoint carries the model's config.json and tokenizer (hf/): the original model
     # directory or hub cache need not exist any more (but for a LoRA run's base weights).
     cfg = read_resolved_config(checkpoint / CONFIG)
@@ -66,12 +69,15 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
     shapes.update({name: b.shape for name, b in persistent_buffers(model).items()})
     # A LoRA run's base as its checkpoint records it: a local one by its absolute path, as training
     # found it (the export may run elsewhere); a checkpoint from before the record: the config's.
-    base = read_train_state(checkpoint / TRAIN_STATE).get("lora", {}).get("base", cfg.model.name_or_path)
+    record = read_train_state(checkpoint / TRAIN_STATE).get("lora", {})
+    base = record.get("base", cfg.model.name_or_path)
     base = str(Path(base).resolve()) if is_local_path(base) else base
+    if cfg.lora.enabled and (merge or Path(base).is_dir()):  # the adapter alone needs no base, but names it
+        _check_base(checkpoint, record.get("weights", ""), base, cfg, model, allow_base_change)
     try:
         with atomic.directory(out_dir) as tmp:
             if cfg.lora.enabled and not merge:
-                _write_adapter(checkpoint, cfg.lora, base, model, tmp, DTYPES[dtype])
+                _write_adapter(checkpoint, cfg.lora, base, record.get("weights", ""), model, tmp, DTYPES[dtype])
             else:
                 tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
@@ -134,9 +140,23 @@ def _trained_shapes(checkpoint: Path) -> dict[str, torch.Size]:
     return {key.removeprefix("model."): metadata[key].size for key in metadata if key.startswith("model.")}
 
 
-def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, model, out: Path, dtype: torch.dtype) -> None:
+def _check_base(checkpoint: Path, recorded: str, base: str, cfg: Config, model, allowed: bool) -> None:
+    """Refuse (UserError) a base whose weights are not those the LoRA checkpoint's adapters were
+    trained on (as it `recorded`), unless `allowed`."""
+    current = base_identity(dataclasses.replace(cfg.model, name_or_path=base), cfg.train.seed, model)["weights"]
+    if not base_changed(recorded, current):
+        return
+    if not allowed:
+        raise UserError(f"{checkpoint}'s adapters were trained on other weights than {base} holds now ({recorded} -> "
+                        f"{current}): export with the base they were trained on, or pass --allow-base-change to "
+                        "use this one anyway")
+    print(f"warning: {base} is not the base {checkpoint}'s adapters were trained on (--allow-base-change)")
+
+
+def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, base_weights: str, model, out: Path,
+                   dtype: torch.dtype) -> None:
     """A LoRA checkpoint's adapter in PEFT's format, for `model` (the meta-device model it was
-    trained on, based on `base`)."""
+    trained on, based on `base`, whose weights' fingerprint is `base_weights`)."""
     trained = {name: tensor.to(dtype) for name, tensor in _tensors(checkpoint, _trained_shapes(checkpoint))}
     # A trained embedding of a tied model is its lm_head too: PEFT unties them unless asked to keep
     # them tied (ensure_weight_tying), and then reads both.
@@ -145,7 +165,7 @@ def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, model, out: Pa
     tied = model.config.get_text_config().tie_word_embeddings and f"{embedding}.weight" in trained
     if tied:
         trained[f"{head}.weight"] = trained[f"{embedding}.weight"].clone()
-    write_adapter(out, trained, lora, base, tied)
+    write_adapter(out, trained, lora, base, base_weights, tied, model)
 
 
 def _merged(checkpoint: Path, cfg: Config, base: str, model, shapes: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -169,12 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--merge", action="store_true",
                         help="a LoRA checkpoint: write the base with the adapter merged in, not the adapter")
+    parser.add_argument("--allow-base-change", action="store_true",
+                        help="a LoRA checkpoint: export even if its base's weights changed since training")
     args = parser.parse_args(argv)
     problem = checkpoint_problem(args.checkpoint) or content_problem(args.checkpoint)
     if problem:
         raise CheckpointError(f"{args.checkpoint} is not a usable checkpoint ({problem}): give a committed "
                               "checkpoints/step-N directory (its run's checkpoints/latest names the newest)")
-    export_hf(args.checkpoint, args.out_dir, args.dtype, args.merge)
+    export_hf(args.checkpoint, args.out_dir, args.dtype, args.merge, args.allow_base_change)
     print(f"exported {args.checkpoint} to {args.out_dir}")
 
 

@@ -14,6 +14,8 @@ from sft.distributed import log0
 from sft.models.lora import LoRA
 from sft.models.weights import base_identity
 
+LEGACY_DIGEST = "sha256:"  # the fingerprint of a base's files (sharding and all) that checkpoints recorded before
+
 
 def lora_record(model_cfg: ModelConfig, lora: LoRA, seed: int, model: nn.Module, prepared: Path | None) -> dict:
     """The record of a run's adapters (rank 0 reads the base's files: sft/models/weights.py:base_identity;
@@ -36,7 +38,10 @@ def lora_change_problem(path: Path, saved: dict | None, ours: dict, allowed: boo
             f"rank {ours['rank']} on {', '.join(ours['target_modules'])}: set lora.rank and lora.target_modules as "
             "the checkpoint has, or start fresh with checkpoint.resume=none")
     changed = []
-    if saved["weights"] != ours["weights"]:
+    if saved["weights"].startswith(LEGACY_DIGEST) and saved["weights"] != ours["weights"]:
+        log0(f"warning: {path} records its base's files, not their weights (an older checkpoint): the base is not "
+             "compared")
+    elif saved["weights"] != ours["weights"]:
         changed.append(f"base {saved['base']} ({saved['weights']}) -> {ours['base']} ({ours['weights']})")
     if saved["alpha"] != ours["alpha"]:
         changed.append(f"lora.alpha {saved['alpha']} -> {ours['alpha']}")

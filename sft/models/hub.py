@@ -251,11 +251,7 @@ def to_hub_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]],
     mapping reverted (`vision_language`: as FileLayout's), tensor by tensor (those a conversion needs
     together, e.g. q, k and v that the files hold as one, are held until the last of them comes)."""
     renamings, converters = _transforms(model, loading=False, vision_language=vision_language)
-
-    def renamed(name: str) -> str:
-        for renaming in renamings:
-            name, _ = renaming.rename_source_key(name)
-        return name
+    renamed = _renamed_by(renamings)
 
     def converted(first: str, converter) -> Iterator[tuple[str, torch.Tensor]]:
         made = converter.convert(first, model=model, config=model.config)
@@ -277,6 +273,21 @@ def to_hub_tensors(model: nn.Module, named: Iterable[tuple[str, torch.Tensor]],
             yield from converted(first, pending.pop(first))
     for first, converter in pending.items():
         yield from converted(first, converter)
+
+
+def _renamed_by(renamings: list) -> Callable[[str], str]:
+    def renamed(name: str) -> str:
+        for renaming in renamings:
+            name, _ = renaming.rename_source_key(name)
+        return name
+    return renamed
+
+
+def renamer(model: nn.Module, loading: bool) -> Callable[[str], str]:
+    """A name as transformers' renamings of `model` change it: a model name as `save_pretrained`
+    writes it, or (`loading`) a files' name as `from_pretrained` reads it (no conversion of tensors:
+    for tensors of the model's shapes, such as LoRA adapters of its layers, which PEFT names so)."""
+    return _renamed_by(_transforms(model, loading=loading, vision_language=None)[0])
 
 
 def quantized_experts_problem(source: str, names: Iterable[str]) -> str | None:

@@ -38,6 +38,10 @@ from sft.models.peft_format import is_adapter
 from sft.models.vision_language import KEPT, checkpoint_class, file_names, is_vision_language, kept_names
 
 
+# The fingerprint of a base's weights (SafetensorsWeights.digest); "sha256:" before it was of the files
+WEIGHTS_DIGEST = "weights-sha256:"
+
+
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
@@ -79,24 +83,24 @@ class SafetensorsWeights:
         return hub.FileLayout(self.model, {**self.shapes, **buffers}, in_model, checkpoint_class(self.root))
 
     def digest(self) -> str:
-        """A fingerprint of the weights, cheap at any size: every file's name, size and header (the
-        tensors' names, dtypes, shapes and offsets) and 128 bytes from the middle of each tensor.
-        Weights trained or replaced differ there in every tensor that changed; a copy or a move of
-        the same files does not change it."""
-        sha = hashlib.sha256()
-        for file in sorted(set(self.weight_map.values())):
-            path = self.root / file
-            sha.update(f"{file}:{path.stat().st_size}:".encode())
-            with path.open("rb") as f:
-                header = f.read(int.from_bytes(f.read(8), "little"))
-                sha.update(header)
+        """A fingerprint of the weights, cheap at any size: every tensor's name, dtype and shape and
+        128 bytes from its middle, by name. Weights trained or replaced differ there in every tensor
+        that changed; a copy, a move or another sharding of the same weights does not change it."""
+        samples = []
+        for file in sorted(set(self.weight_map.values())):  # each file opened once, read front to back
+            with (self.root / file).open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
                 data = f.tell()
-                for name, info in sorted(json.loads(header).items()):
-                    if name != "__metadata__":
-                        begin, end = info["data_offsets"]
-                        f.seek(data + (begin + end) // 2)
-                        sha.update(f.read(min(128, end - (begin + end) // 2)))
-        return "sha256:" + sha.hexdigest()[:32]
+                header.pop("__metadata__", None)
+                for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+                    begin, end = info["data_offsets"]
+                    middle = (begin + end) // 2
+                    f.seek(data + middle)
+                    samples.append((name, f"{info['dtype']}:{info['shape']}", f.read(min(128, end - middle))))
+        sha = hashlib.sha256()
+        for name, kind, sample in sorted(samples):
+            sha.update(f"{name}:{kind}:".encode() + sample)
+        return WEIGHTS_DIGEST + sha.hexdigest()[:32]
 
     def _damaged(self, file: str, reason: str) -> ModelError:
         return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
@@ -289,6 +293,13 @@ def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> No
     weights = SafetensorsWeights(cfg.name_or_path, model)
     save_file({name: weights.read_as_stored(name) for name in weights.kept()}, directory / KEPT,
               metadata={"format": "pt", **weights.names.metadata()})
+
+
+def base_changed(recorded: str, current: str) -> bool:
+    """Whether the base weights fingerprinted `current` (base_identity's `weights`) are not those a
+    LoRA run `recorded`; only fingerprints of weights compare (not a random init's seed or a cache's
+    path, nor the files' fingerprint that records before WEIGHTS_DIGEST hold)."""
+    return recorded.startswith(WEIGHTS_DIGEST) and current != recorded
 
 
 def base_identity(cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None = None) -> dict[str, str]:

@@ -170,14 +170,14 @@ def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous,
     another lora.alpha is one line naming both and the override; the override resumes, with a word."""
     step4 = continuous / "continuous" / "checkpoints" / "step-4"
     recorded = json.loads((step4 / "train_state.json").read_text())["lora"]
-    assert recorded["base"] == str(continuous / "base") and recorded["weights"].startswith("sha256:")
+    assert recorded["base"] == str(continuous / "base") and recorded["weights"].startswith("weights-sha256:")
     assert (recorded["rank"], recorded["alpha"]) == (16, 32.0)
     other = tmp_path / "base"
     subprocess.run([sys.executable, "scripts/save_random_checkpoint.py", "configs/demo/model", str(other),
                     "--dtype", "float32", "--device", "cpu", "--seed", "1"], cwd=REPO, check=True, capture_output=True)
     cases = {
         "another base": ([f"model.name_or_path={other}"],
-                         f"base {continuous / 'base'} ({recorded['weights']}) -> {other} (sha256:"),
+                         f"base {continuous / 'base'} ({recorded['weights']}) -> {other} (weights-sha256:"),
         "another alpha": (["lora.alpha=8"], "lora.alpha 32.0 -> 8.0): resume with the base and lora.alpha it was "
                                             "trained with, start fresh with checkpoint.resume=none, or set "
                                             "lora.allow_resume_change=true"),
@@ -206,8 +206,39 @@ def test_a_resume_onto_another_base_or_scale_is_refused_unless_asked(continuous,
     for argv in ([str(saved), "adapter"], [str(saved), "merged", "--merge"]):
         status, _, err = run_cli(export, argv, capsys)
         assert status == 0, err
-    assert json.loads((elsewhere / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(other)
+    written = json.loads((elsewhere / "adapter" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(other)
+    assert written["sft_base_weights"] == json.loads((saved / "train_state.json").read_text())["lora"]["weights"]
     assert (elsewhere / "merged" / "config.json").is_file()
+    # The same weights sharded otherwise are the same base; other weights under its name are refused by
+    # --merge and by sft.chat on the adapter, in one line, unless asked
+    from safetensors.torch import load_file, save_file
+
+    from sft.chat import main as chat
+
+    tensors = {}
+    for file in sorted(other.glob("*.safetensors")):
+        tensors.update(load_file(file))
+        file.unlink()
+    halves = [dict(list(tensors.items())[:len(tensors) // 2]), dict(list(tensors.items())[len(tensors) // 2:])]
+    for i, half in enumerate(halves):
+        save_file(half, other / f"model-0000{i + 1}-of-00002.safetensors", metadata={"format": "pt"})
+    (other / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        name: f"model-0000{i + 1}-of-00002.safetensors" for i, half in enumerate(halves) for name in half}}))
+    status, _, err = run_cli(export, [str(saved), "resharded", "--merge"], capsys)
+    assert status == 0, err
+    for name in halves[0]:
+        halves[0][name] = halves[0][name] + 0.01
+    save_file(halves[0], other / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    said = "were trained on other weights than"
+    for tool, argv in ((export, [str(saved), "changed", "--merge"]),
+                       (chat, ["adapter", "--prompt", "hi", "--max-new-tokens", "2"])):
+        status, _, err = run_cli(tool, argv, capsys)
+        errors = [line for line in err.splitlines() if line.startswith("error")]
+        assert status == 2 and len(errors) == 1 and "--allow-base-change" in errors[0], err
+        assert f"{said} {other} holds now ({written['sft_base_weights']} -> weights-sha256:" in errors[0]
+        status, out, err = run_cli(tool, [*argv, "--allow-base-change"], capsys)
+        assert status == 0 and f"warning: {other} is not the base" in out, err
 
 
 @pytest.mark.slow
