@@ -16,12 +16,13 @@ import functools
 import hashlib
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from huggingface_hub import snapshot_download
+from transformers import AutoConfig, AutoModelForImageTextToText
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -141,17 +142,33 @@ class SafetensorsWeights:
 
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
-        (weights of another architecture or size than their config.json), before any rank reads."""
+        (weights of another architecture or size than their config.json), before any rank reads; the
+        same for a vision-language checkpoint's vision tower (and projector), which the export keeps."""
         quantized = hub.quantized_experts_problem(self.source, self.file_shapes)
         if quantized:
             raise ModelError(quantized)
-        found = self.layout.shapes
-        wrong = [f"{name}: {shape} in the model of config.json, {found.get(name, 'absent')} in the files"
-                 for name, shape in self.shapes.items() if found.get(name) != shape]
-        if wrong:
-            raise ModelError(f"model.name_or_path={self.source!r}: its weights do not match its config.json "
-                             f"({len(wrong)} tensors differ, "
-                             f"e.g. {wrong[0]}); give a directory whose safetensors and config.json belong together")
+        for part, expected, found in (("weights do", self.shapes, lambda: self.layout.shapes),
+                                      ("vision tower does", *self._vision_tower())):
+            wrong = [f"{name}: {shape} in the model of config.json, {found().get(name, 'absent')} in the files"
+                     for name, shape in expected.items() if found().get(name) != shape]
+            if wrong:
+                raise ModelError(f"model.name_or_path={self.source!r}: its {part} not match its config.json "
+                                 f"({len(wrong)} tensors differ, e.g. {wrong[0]}); give a directory whose "
+                                 "safetensors and config.json belong together")
+
+    def _vision_tower(self) -> tuple[dict[str, tuple[int, ...]], Callable[[], dict[str, tuple[int, ...]]]]:
+        """(the shapes of a vision-language checkpoint's parameters outside its language model, as its
+        class defines them; those the files give them, as transformers converts them); none for a text model."""
+        if checkpoint_class(self.root) is None:
+            return {}, dict
+        config = AutoConfig.from_pretrained(self.root)
+        with torch.device("meta"):
+            whole = AutoModelForImageTextToText.from_config(config)
+        language_model = {id(p) for module in (whole.get_decoder(), whole.get_output_embeddings())
+                          for p in module.parameters()}
+        shapes = {name: tuple(p.shape) for name, p in whole.named_parameters() if id(p) not in language_model}
+        layout = functools.cache(lambda: hub.FileLayout(whole, shapes, self.file_shapes).shapes)
+        return shapes, layout
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         """Slice `index` of the model's tensor `name` (absent: a KeyError naming it; check() said so first)."""

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from helpers import tiny_config
+from helpers import VISION_LANGUAGE, tiny_config, vision_language_model_dir
 from sft.config import ModelConfig
 from sft.models.build import build_meta_model
 from sft.models.hub import to_hub_tensors
@@ -132,3 +132,29 @@ def test_qwen3_vl_moe_experts_as_published_transposed_load(tmp_path):
         assert torch.equal(weights.read(name, (), torch.device("cpu")), expected)
         part = (slice(1, 3), slice(5, 20), slice(2, 9))
         assert torch.equal(weights.read(name, part, torch.device("cpu")), expected[part])
+
+
+@pytest.mark.parametrize("family", list(VISION_LANGUAGE))
+def test_a_vision_tower_missing_or_misshapen_in_the_files_is_one_error_naming_it(tmp_path, family):
+    """A vision-language checkpoint's tensors outside its language model (the vision tower, the
+    projector) are checked against its class as the language model's are: intact, the check passes;
+    without them, without one, or with one of another shape, one error names the first."""
+    from sft.models.build import ModelError
+
+    directory = vision_language_model_dir(tmp_path, family)
+    (file,) = directory.glob("*.safetensors")
+    with safe_open(file, "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    model = build_meta_model(ModelConfig(name_or_path=str(directory)))
+    SafetensorsWeights(str(directory), model).check()  # as saved: nothing missing
+    tower = sorted(name for name in tensors if "vision" in name or "visual" in name)
+    assert tower, sorted(tensors)
+    first = tower[0]
+    damaged = {"no tower": ({n: t for n, t in tensors.items() if n not in tower}, rf"{len(tower)} tensors", "absent"),
+               "one missing": ({n: t for n, t in tensors.items() if n != first}, "1 tensors", "absent"),
+               "one misshapen": ({**tensors, first: torch.zeros(7, 3)}, "1 tensors", r"\(7, 3\)")}
+    for case, (files, count, found) in damaged.items():
+        save_file(files, file, metadata={"format": "pt"})
+        with pytest.raises(ModelError, match=rf"its vision tower does not match its config.json \({count} differ, e.g. "
+                                             rf"\S+: \(.*\) in the model of config.json, {found} in the files\)"):
+            SafetensorsWeights(str(directory), model).check()
