@@ -22,14 +22,13 @@ import dataclasses
 import time
 from pathlib import Path
 
-import torch.distributed as dist
 from transformers import set_seed
 
 from sft.checkpoint.manager import Checkpointer
 from sft.config import check_machine, parse_args
 from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
-from sft.distributed import init_distributed, log0, rank0_first
+from sft.distributed import init_distributed, log0, rank0_first, shut_down
 from sft.errors import run_command
 from sft.models.build import check_vocabulary, load_tokenizer
 from sft.models.float8 import precompute_scales_after_each_step
@@ -158,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         final = save(total_steps) if start_step < total_steps else resume_from
         exit_code = 0
     logger.close()
-    dist.barrier()  # no rank tears down gloo/NCCL while another still talks to it
-    dist.destroy_process_group()
+    ckpt.close()
+    shut_down()
     # Rank 0 exports after the process group is gone: no other rank waits for it under a
     # collective timeout (a 72B export writes ~145 GB).
     if env.is_main and not stopped:

@@ -85,6 +85,17 @@ def init_distributed(cpu_offload: bool = False, timeout_minutes: float | None = 
     return DistEnv(rank, local_rank, world_size, device)
 
 
+def shut_down() -> None:
+    """Collective, at a run's end: once every rank is done with them (a barrier: no rank tears down
+    gloo/NCCL while another still talks to it), the process groups are destroyed and no reference to
+    one is left, so that none (nor its threads) lives on into the interpreter's exit, where its
+    teardown can abort the process ('terminate called without an active exception', exit -6)."""
+    global _long_wait_group
+    dist.barrier()
+    dist.destroy_process_group()
+    _long_wait_group = None
+
+
 # torchrun's store is up before it starts its workers: a worker that cannot reach it in this long
 # will not (its torchrun died in the worker's first moments), where the rendezvous itself would
 # retry for the whole collective timeout, twice.

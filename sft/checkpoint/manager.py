@@ -307,6 +307,13 @@ class Checkpointer:
             self._lora_record = lora_record(self.cfg.model, self._lora, self.cfg.train.seed, model, self._prepared)
         return self._lora_record
 
+    def close(self) -> None:
+        """At a run's end, after its last save: the writer thread joined and the asynchronous saves'
+        group let go (distributed.shut_down destroys it)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        self._writer = self._group = self._staging_job = None
+
     def step_done(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer, stopping: bool = False) -> None:
         """Collective, after every optimizer step: commit a background save once every rank has
         written it; after this run's first step, start making the staging buffers (not when the run

@@ -153,7 +153,7 @@ def test_a_vision_tower_missing_or_misshapen_in_the_files_is_one_error_naming_it
     damaged = {"no tower": ({n: t for n, t in tensors.items() if n not in tower}, rf"{len(tower)} tensors", "absent"),
                "one missing": ({n: t for n, t in tensors.items() if n != first}, "1 tensors", "absent"),
                "one misshapen": ({**tensors, first: torch.zeros(7, 3)}, "1 tensors", r"\(7, 3\)")}
-    for case, (files, count, found) in damaged.items():
+    for files, count, found in damaged.values():
         save_file(files, file, metadata={"format": "pt"})
         with pytest.raises(ModelError, match=rf"its vision tower does not match its config.json \({count} differ, e.g. "
                                              rf"\S+: \(.*\) in the model of config.json, {found} in the files\)"):
