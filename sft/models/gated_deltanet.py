@@ -105,12 +105,20 @@ def _passes_keywords(layer: type) -> bool:
 @functools.cache
 def fla_kernels() -> SimpleNamespace | None:
     """flash-linear-attention's chunked gated delta rule, causal convolution and chunked Kimi delta
-    attention (and the keyword arguments the delta rule takes), None where fla is not installed."""
+    attention (and the keyword arguments the delta rule takes); None where fla is not installed, or
+    cannot be imported on a machine without a GPU (its kernels run on GPUs only). Installed beside a
+    GPU but broken, it is a KernelError naming why, not a silent fall back to the slow reference."""
+    if importlib.util.find_spec("fla") is None:
+        return None
     try:
         delta_rule = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
         conv = importlib.import_module("fla.modules.causal_conv1d").causal_conv1d
-    except Exception:  # noqa: BLE001 -- as transformers: fla that cannot be imported here leaves the torch functions
-        return None
+    except Exception as e:  # noqa: BLE001 -- whatever fla's import raises: one line
+        if not torch.cuda.is_available():
+            return None
+        raise KernelError(f"flash-linear-attention is installed but cannot be imported ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}): reinstall it (pip install -U flash-linear-attention), "
+                          "or uninstall it to run transformers' slow torch reference") from None
     try:
         kda = importlib.import_module("fla.ops.kda").chunk_kda
     except Exception:  # noqa: BLE001 -- an fla without Kimi delta attention: packed, its documents run one at a time

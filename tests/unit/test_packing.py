@@ -1,8 +1,13 @@
 """Packing: documents in one row never see each other, and the loss is unchanged (CPU, sdpa)."""
 
 import copy
+import importlib
+import importlib.util
+import inspect
 import math
 import random
+import re
+import sys
 
 import pytest
 import torch
@@ -64,6 +69,24 @@ def test_best_fit_decreasing_places_every_sample_once():
     assert sum(lengths) / (512 * len(rows)) > 0.98  # rows are nearly full
 
 
+def skip_without_fla_kernels(device: str) -> None:
+    """Skip a GPU case where this machine cannot run flash-linear-attention's kernels, decided by the
+    machine alone: no GPU, fla not installed, or fla's own refusal (Hopper with Triton 3.4.0 to 3.7.0
+    and no tilelang: one of its backward kernels computes wrongly there)."""
+    if device == "cpu":
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU here (on one, the packed rows take flash-linear-attention's varlen kernels)")
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
+    from packaging.version import Version
+
+    triton = Version(importlib.import_module("triton").__version__)
+    if (torch.cuda.get_device_capability()[0] == 9 and Version("3.4.0") <= triton < Version("3.7.1")
+            and importlib.util.find_spec("tilelang") is None):
+        pytest.skip(f"flash-linear-attention refuses Triton {triton} on Hopper without tilelang")
+
+
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     """Qwen3.5's Gated DeltaNet layers (a recurrent state and a short convolution along the row): a
@@ -76,22 +99,17 @@ def test_gated_deltanet_documents_restart_in_a_packed_row(tmp_path, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from helpers import gated_deltanet_model_dir
-    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, KernelError, document_ends, fla_kernels
+    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends, fla_kernels
     from sft.models.gated_deltanet import use_gated_deltanet_kernels
     from sft.models.packing import check_packing
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU here (on one, the packed rows take flash-linear-attention's varlen kernel)")
-    if device == "cuda" and fla_kernels() is None:
-        pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
+    skip_without_fla_kernels(device)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(gated_deltanet_model_dir(tmp_path)))
     check_packing(model, packing=True)  # puts the document-aware functions in place (fla's on a GPU)
-    try:
-        use_gated_deltanet_kernels(model, torch.device(device))
-    except KernelError as e:  # Hopper with Triton 3.4-3.7.0 and no tilelang: fla's kernels would refuse
-        pytest.skip(str(e))
+    use_gated_deltanet_kernels(model, torch.device(device))
+    assert device == "cpu" or fla_kernels() is not None  # installed and importable (a broken fla is a KernelError)
     lengths = [7, 70, 5]  # the middle one spans two of the delta rule's 64-token chunks
     documents = [torch.randint(3, 800, (n,), device=device) for n in lengths]
     decoder = model.get_decoder()
@@ -169,21 +187,22 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from helpers import tiny_config
-    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends, fla_kernels, restarting_modules
+    from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends, restarting_modules
     from sft.models.packing import check_packing, cp_unsupported
 
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no GPU here (on one, the packed rows take flash-linear-attention's varlen kernels)")
-    if device == "cuda" and fla_kernels() is None:
-        pytest.skip("flash-linear-attention is not installed (pip install flash-linear-attention)")
+    skip_without_fla_kernels(device)
     model_type, overrides, layers = RESTARTING_LAYERS[kind]
     if model_type not in CONFIG_MAPPING:  # the GPU machine's transformers 5.17 has no bailing_hybrid
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type, num_hidden_layers=3, **overrides))
-    if not any(restarting_modules(model).values()):  # LFM2's in transformers 5.17: refused, as tested below
-        pytest.skip(f"transformers {transformers.__version__}'s {layers} pass no keyword arguments on")
+    # the layer class, found in the model itself (not by the lookup under test)
+    layer = next(type(m) for m in model.modules() if type(m).__name__ == re.search(r"\((\w+)\)$", layers).group(1))
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(layer.forward).parameters.values()):
+        pytest.skip(f"transformers {transformers.__version__}'s {layers} pass no keyword arguments on (refused, "
+                    "as tested below)")  # LFM2's in transformers 5.17
+    assert sys.modules[layer.__module__] in [m for found in restarting_modules(model).values() for m in found]
     check_packing(model, packing=True)
     assert model.sft_document_ends
     assert cp_unsupported(model, moe=False) == f"{layers} carry state along the row"
@@ -298,3 +317,26 @@ def test_gated_deltanet_on_a_gpu_without_fla_s_kernels_is_one_line(capability, t
         assert expected[0] in problem[0] and problem[1] == expected[1]
         assert problem[0].startswith("Qwen3_5ForCausalLM's Gated DeltaNet layers")
         assert problem[0].endswith("pip install flash-linear-attention" if triton is None else "triton>=3.7.1")
+
+
+def test_an_installed_but_broken_fla_beside_a_gpu_is_one_error_not_the_slow_reference(monkeypatch):
+    """fla_kernels: None where flash-linear-attention is not installed (transformers' torch reference
+    runs), a KernelError naming why where it is installed but cannot be imported beside a GPU."""
+    from sft.models import gated_deltanet
+    from sft.models.gated_deltanet import KernelError, fla_kernels
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fla" else real_find_spec(name, *a))
+    assert fla_kernels.__wrapped__() is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real_find_spec(name, *a))
+
+    def broken(name, *args):
+        raise ImportError(f"libcuda.so.1: cannot open shared object file ({name})")
+
+    monkeypatch.setattr(gated_deltanet.importlib, "import_module", broken)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(KernelError, match=r"^flash-linear-attention is installed but cannot be imported \(ImportError: "
+                                          r"libcuda.so.1: .*\): reinstall it"):
+        fla_kernels.__wrapped__()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fla_kernels.__wrapped__() is None  # no GPU: its kernels would not run anyway
