@@ -153,8 +153,9 @@ def check_family(family: str, tmp: Path) -> Row:
             except AttributeError:  # Llama-4's cannot run on text alone in transformers 5.24 (no image_outputs)
                 if model_type != "llama4":
                     raise
-                theirs = ours
-        if not abs(ours - theirs) <= 1e-4 * abs(theirs):
+                theirs = None  # no reference: the row says so
+        theirs_at_load = theirs
+        if theirs is not None and not abs(ours - theirs) <= 1e-4 * abs(theirs):
             row.status = f"loads otherwise than transformers ({ours:.5f} here, {theirs:.5f} there)"
             return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -173,14 +174,20 @@ def check_family(family: str, tmp: Path) -> Row:
         if not losses[-1] < losses[0]:
             row.status = "loss did not fall"
             return row
+        model.eval()
+        if row.packing in ("yes", "exact"):
+            # losses equal within 1e-6 (every family is within 1e-7 here): a little mixing shows (the issue's
+            # Qwen3.5 example, one step over 48 conversations, was off by 2e-5 of its loss); every gradient
+            # within 1e-4 of its tensor's largest entry
+            (as_padded, padded_grads), (as_packed, packed_grads) = (_loss_and_grads(model, moe, b) for b in (padded, packed))
+            worst = max(((packed_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                        for n, g in padded_grads.items())
+            if abs(as_packed - as_padded) > 1e-6 * abs(as_padded) or not worst <= 1e-4:
+                row.packing = "differs from padded rows"
+                row.status = (f"packed rows differ from padded ones (loss {as_packed:.7f} / {as_padded:.7f}, "
+                              f"gradients {worst:.1e})")
+                return row
         with torch.no_grad():
-            model.eval()
-            if row.packing in ("yes", "exact"):
-                as_padded, as_packed = (model.sft_loss(**loss_inputs(b)).item() for b in (padded, packed))
-                # equal within 1e-6 (every family is within 1e-7 here): a little mixing shows (the issue's
-                # Qwen3.5 example, one step over 48 conversations, was off by 2e-5 of its loss)
-                if abs(as_packed - as_padded) > 1e-6 * abs(as_padded):
-                    row.packing = "differs from padded rows"
             # the export's layout, loaded back by transformers: same class, same logits
             export = tmp / f"export_{model_type}"
             export.mkdir()
@@ -200,7 +207,8 @@ def check_family(family: str, tmp: Path) -> Row:
             if type(loaded) is not type(model) or abs(ours - theirs) > 1e-4 * abs(theirs):
                 row.status = f"differs from transformers' loss ({ours:.5f} here, {theirs:.5f} there)"
                 return row
-        row.status = "trains, exports"
+        row.status = "trains, exports" if theirs_at_load is not None else (
+            "trains, exports; its load is not compared (transformers' class cannot run on text alone)")
     except Exception as e:  # noqa: BLE001
         row.status = f"fails: {_reason(e)}"
     return row
@@ -233,6 +241,23 @@ def _loss(model, batch: dict) -> float:
 
     inputs = loss_inputs(batch)
     return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
+
+
+def _loss_and_grads(model, moe, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """Our loss of `batch` and the gradient of every parameter (`moe`: the MoE handle, or None)."""
+    from sft.training.loss import loss_inputs
+
+    model.zero_grad()
+    if moe:
+        moe.begin_step(batch["real_tokens"].sum())
+        moe.begin_micro_batch(batch["real_tokens"])
+    loss = model.sft_loss(**loss_inputs(batch))
+    if moe:
+        moe.end_micro_batch()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return loss.item(), grads
 
 
 def _next_token_loss(model, batch: dict) -> float:
