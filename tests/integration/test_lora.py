@@ -276,6 +276,12 @@ def test_lora_on_routed_experts_resumes_exports_for_peft_and_merges(tmp_path, de
     adapter, merged = tmp_path / "whole" / "export", tmp_path / "merged"
     assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == [
         "experts.gate_up_proj", "experts.down_proj"]
+    # every expert adapter trained (q/v alone would move the merged logits too): each block's B off zero
+    from safetensors.torch import load_file
+
+    written = load_file(adapter / "adapter_model.safetensors")
+    expert_b = {name: tensor for name, tensor in written.items() if ".experts." in name and "lora_B" in name}
+    assert len(expert_b) == 8 and all(tensor.abs().max() > 0 for tensor in expert_b.values()), sorted(expert_b)
     peft_loads_the_merged_model(tmp_path / "whole" / "checkpoints" / "step-6", adapter, merged, tmp_path / "base", capsys)
 
 

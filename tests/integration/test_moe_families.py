@@ -46,6 +46,7 @@ def test_moe_family_loads_resumes_exactly_and_exports(tmp_path, demo_data, model
     assert not any(name.endswith("experts.gate_up_proj") for name in names)  # the hub's per-expert layout
     biases = [name for name in names if name.endswith("e_score_correction_bias")]
     if "moe.bias_update_rate=0.01" in run:  # the bias moved, 0.01 a step, and the export holds it
+        assert biases, sorted(names)  # the family has correction biases (else the loop below checks nothing)
         state = exported.state_dict()
         for name in biases:
             moved = (state[name.replace("block_sparse_moe", "mlp")] - original.state_dict()[

@@ -47,8 +47,15 @@ def test_export_into_a_new_directory_from_anywhere(finished, tmp_path, monkeypat
 def test_plot_replaces_only_its_own_png(finished, capsys):
     from sft.plot import main
 
+    run = finished / "other"
+
+    def contents() -> dict[str, bytes]:  # everything in the run directory but the plot
+        return {str(path.relative_to(run)): path.read_bytes() if path.is_file() else b"<dir>"
+                for path in sorted(run.rglob("*")) if path.name != "curves.png"}
+
+    before = contents()
     for _ in range(2):  # a second plot rewrites curves.png, atomically
-        status, _, err = run_cli(main, [str(finished / "other")], capsys)
+        status, _, err = run_cli(main, [str(run)], capsys)
         assert status == 0, err
-    assert (finished / "other" / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert not (finished / "other" / "curves.png.tmp").exists()
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert contents() == before  # nothing else written, replaced or left behind (no curves.png.tmp)

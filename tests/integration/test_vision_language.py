@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from safetensors import safe_open
 
 from helpers import REPO, eval_losses, hf_eval_loss, run_demo, vision_language_model_dir
@@ -93,4 +94,19 @@ def test_lora_on_a_vision_language_checkpoint_merges_into_the_original(tmp_path,
     assert not info["missing_keys"] and not info["unexpected_keys"]
     before, after = _tensors(source), _tensors(merged)
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed and all("language_model" in name for name in changed)  # adapters merged into the LM only
+    # each adapted weight is W + (alpha / r) B A of the trained adapter (exported alone), nothing else changed
+    adapter = tmp_path / "adapter"
+    subprocess.run([sys.executable, "-m", "sft.export", str(tmp_path / "lora" / "checkpoints" / "step-2"), str(adapter),
+                    "--dtype", "float32"], cwd=REPO, check=True, capture_output=True)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    factors = load_file(adapter / "adapter_model.safetensors")
+    expected = {}
+    for name, lora_a in factors.items():
+        if name.endswith(".lora_A.weight"):
+            lora_b = factors[name.replace(".lora_A.", ".lora_B.")]
+            weight = name.removeprefix("base_model.model.model.").replace(".lora_A.weight", ".weight")
+            file_name = f"model.language_model.{weight}"
+            expected[file_name] = before[file_name].float() + config["lora_alpha"] / config["r"] * lora_b @ lora_a
+    assert changed == set(expected) and len(expected) >= 4, (sorted(changed), sorted(expected))
+    for name, value in expected.items():
+        torch.testing.assert_close(after[name], value, rtol=1e-5, atol=1e-6)
