@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -81,24 +81,32 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
             else:
                 tensors = _merged(checkpoint, cfg, base, model, shapes) if cfg.lora.enabled \
                     else _tensors(checkpoint, shapes)
-                # As save_pretrained writes them: experts one tensor each, renamed, ... (sft/models/hub.py)
-                kept_dtype = _kept_in_their_dtype(model)
-                trained = to_hub_tensors(model, ((n, t if n in kept_dtype else t.to(DTYPES[dtype]))
-                                                 for n, t in tensors), checkpoint_class(checkpoint / HF_FILES))
-                kept = checkpoint / HF_FILES / KEPT
-                if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
-                    write_safetensors(_with_kept(trained, kept), tmp)
-                    (tmp / "config.json").write_text(_original_config(checkpoint / HF_FILES / "config.json", dtype))
-                else:
-                    write_safetensors(trained, tmp)
-                    model.config.dtype = dtype
-                    model.config.use_cache = True  # for inference
-                    model.config.save_pretrained(tmp)
+                write_model(tensors, model, checkpoint / HF_FILES, tmp, dtype)
             load_tokenizer(model_cfg).save_pretrained(tmp)
     except atomic.PathInTheWay as e:
         raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
                         "over an existing one)") from None
     return "the LoRA adapter" if cfg.lora.enabled and not merge else "a Hugging Face model"
+
+
+def write_model(tensors: Iterable[tuple[str, torch.Tensor]], model, model_files: Path, out: Path,
+                dtype: str) -> None:
+    """Write the model whose (name, tensor) pairs are `tensors` into `out` as a Hugging Face model in
+    `dtype`: as save_pretrained writes it (experts one tensor each, renamed, ...: sft/models/hub.py),
+    with the config of `model_files` (a checkpoint's hf/); a vision-language checkpoint's as the
+    original, its language model as trained and the kept tensors (vision tower...) as they were."""
+    kept_dtype = _kept_in_their_dtype(model)
+    trained = to_hub_tensors(model, ((n, t if n in kept_dtype else t.to(DTYPES[dtype])) for n, t in tensors),
+                             checkpoint_class(model_files))
+    kept = model_files / KEPT
+    if kept.is_file():  # a vision-language checkpoint: the original, its language model trained
+        write_safetensors(_with_kept(trained, kept), out)
+        (out / "config.json").write_text(_original_config(model_files / "config.json", dtype))
+    else:
+        write_safetensors(trained, out)
+        model.config.dtype = dtype
+        model.config.use_cache = True  # for inference
+        model.config.save_pretrained(out)
 
 
 def _kept_in_their_dtype(model) -> set[str]:

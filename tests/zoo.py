@@ -4,10 +4,12 @@ our path: built as train.py builds it (sft/models/build.py: attention it can run
 of a vision-language checkpoint, our MoE blocks, exact packing or its refusal), its random weights
 saved by transformers (`save_pretrained`: experts one tensor each, renamed, q/k/v apart, as published)
 and read through our loader (its loss then equal to the model transformers loads from the same files),
-a few steps of AdamW on one batch (the loss falls), packed against padded rows (equal within 1e-6,
-or refused in one line), the export loaded back by transformers (the same class, the next-token loss
-of its logits equal to ours, causal), and whether context parallelism, expert parallelism and LoRA
-take it.
+a few steps of AdamW on one batch (the loss falls), packed against padded rows (the loss within 1e-6,
+every gradient within 1e-4 of its tensor's largest entry, or refused in one line), the export as
+sft.export writes it loaded back by transformers (the same class, the next-token loss of its logits
+equal to ours, causal; a vision-language checkpoint's: the original class, its language model's
+tensors as trained, its vision tower as the source's), and whether context parallelism, expert
+parallelism and LoRA take it. A row whose reference cannot run says so in its status.
 
     python tests/zoo.py            # writes docs/models.md from the results (make models-doc)
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import shutil
 import tempfile
@@ -89,12 +92,12 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.data.collate import collate, collate_packed
     from sft.models.build import (build_meta_model, decoder_blocks, materialize, model_config, persistent_buffers,
                                   real_buffers)
-    from sft.models.hub import to_hub_tensors, write_safetensors
+    from sft.export import write_model
     from sft.models.lora import apply_lora
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
-    from sft.models.vision_language import is_vision_language, under_a_head
-    from sft.models.weights import SafetensorsWeights, load_weights
+    from sft.models.vision_language import is_vision_language
+    from sft.models.weights import SafetensorsWeights, load_weights, write_model_files
     from sft.training.loss import attach_sft_loss, loss_inputs
 
     row = Row(family)
@@ -188,30 +191,82 @@ def check_family(family: str, tmp: Path) -> Row:
                               f"gradients {worst:.1e})")
                 return row
         with torch.no_grad():
-            # the export's layout, loaded back by transformers: same class, same logits
-            export = tmp / f"export_{model_type}"
+            # the export, as sft.export writes it (a vision-language checkpoint's: the original), loaded back by
+            # transformers: the same class, the language model's tensors as trained, a vision tower's as the files
+            # held them, the same loss where the class runs on text, causal
+            model_files, export = tmp / f"hf_{model_type}", tmp / f"export_{model_type}"
+            model_files.mkdir()
             export.mkdir()
+            write_model_files(cfg, model, model_files)
             tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}  # what an export writes
-            write_safetensors(to_hub_tensors(model, tensors.items()), export)
-            model.config.save_pretrained(export)
-            # (Qwen3-VL's text model has no causal class in transformers: it is loaded under our head)
-            head = under_a_head(model_config(cfg)) if vision_language else None
-            loaded = (head or AutoModelForCausalLM).from_pretrained(export, attn_implementation="eager")
-            ours, theirs = _loss(model, padded), _next_token_loss(loaded, padded)
-            logits = loaded(input_ids=padded["input_ids"], use_cache=False).logits.float()
-            # causal without a mask, as rows of one sequence run: a prefix's logits do not see what follows
-            prefix = loaded(input_ids=padded["input_ids"][:1, :8], use_cache=False).logits.float()
-            if not torch.allclose(prefix, logits[:1, :8], atol=1e-4):
-                row.status = "not causal: without an attention mask its tokens see the later ones"
-                return row
-            if type(loaded) is not type(model) or abs(ours - theirs) > 1e-4 * abs(theirs):
-                row.status = f"differs from transformers' loss ({ours:.5f} here, {theirs:.5f} there)"
-                return row
+            write_model(((n, t.detach()) for n, t in tensors.items()), model, model_files, export, "float32")
+            if vision_language:
+                loaded = AutoModelForImageTextToText.from_pretrained(export, attn_implementation="eager")
+                if problem := _vision_language_export_problem(loaded, model, directory, export):
+                    row.status = problem
+                    return row
+            else:
+                loaded = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+                if type(loaded) is not type(model):
+                    row.status = f"exports as {type(loaded).__name__}"
+                    return row
+            if theirs_at_load is not None:
+                ours, theirs = _loss(model, padded), _next_token_loss(loaded, padded)
+                logits = loaded(input_ids=padded["input_ids"], use_cache=False).logits.float()
+                # causal without a mask, as rows of one sequence run: a prefix's logits do not see what follows
+                prefix = loaded(input_ids=padded["input_ids"][:1, :8], use_cache=False).logits.float()
+                if not torch.allclose(prefix, logits[:1, :8], atol=1e-4):
+                    row.status = "not causal: without an attention mask its tokens see the later ones"
+                    return row
+                if abs(ours - theirs) > 1e-4 * abs(theirs):
+                    row.status = f"differs from transformers' loss ({ours:.5f} here, {theirs:.5f} there)"
+                    return row
         row.status = "trains, exports" if theirs_at_load is not None else (
             "trains, exports; its load is not compared (transformers' class cannot run on text alone)")
     except Exception as e:  # noqa: BLE001
         row.status = f"fails: {_reason(e)}"
     return row
+
+
+def _vision_language_export_problem(loaded, model, source: Path, export: Path) -> str | None:
+    """What is wrong with the export of a vision-language checkpoint's language model `model`
+    (trained), from the checkpoint `source`, as transformers `loaded` it from `export`; None if nothing: the
+    original class, every tensor of its language model equal to ours, and every other (the vision
+    tower, the projector) as transformers loads it from the source, dtype and all."""
+    original = json.loads((source / "config.json").read_text())["architectures"][0]
+    if type(loaded).__name__ != original:
+        return f"exports as {type(loaded).__name__}, not {original}"
+    # the language model: transformers' (a causal class for Llama-4, a text model elsewhere) against ours
+    language_model = loaded.get_decoder()
+    ours = model if type(language_model) is type(model) else model.get_decoder()
+    theirs = language_model.state_dict()
+    wrong = [name for name, tensor in ours.state_dict().items() if not torch.equal(theirs.get(name), tensor)]
+    if wrong or not torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight):
+        return f"its export loads another language model ({len(wrong)} tensors differ, e.g. {(wrong or ['lm_head'])[0]})"
+
+    # the rest (vision tower, projector): as transformers loads it from the source checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    source_tensors = dict(AutoModelForImageTextToText.from_pretrained(source).named_parameters())
+    in_language_model = {id(p) for module in (language_model, loaded.get_output_embeddings()) for p in module.parameters()}
+    kept = {name: p for name, p in loaded.named_parameters() if id(p) not in in_language_model}
+    changed = [name for name, p in kept.items() if p.dtype != source_tensors[name].dtype
+               or not torch.equal(p, source_tensors[name])]
+    if not kept or changed:
+        return f"its export changes the vision tower ({len(changed)} of {len(kept)} tensors, e.g. {changed[:1]})"
+    if (names := _file_tensor_names(export)) != _file_tensor_names(source):  # the original's names, no more or less
+        return f"its export names its tensors otherwise ({sorted(names ^ _file_tensor_names(source))[:2]})"
+    return None
+
+
+def _file_tensor_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names = set()
+    for file in directory.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
 
 
 def _saved_by_transformers(cfg, out: Path) -> Path:
