@@ -183,11 +183,12 @@ def _merged(checkpoint: Path, cfg: Config, base: str, model, shapes: dict) -> It
     base_cfg = ModelConfig(name_or_path=base, init=cfg.model.init, trust_remote_code=cfg.model.trust_remote_code)
     weights = initial_weights(base_cfg, cfg.train.seed, model)
     built = persistent_buffers(model)  # a buffer the base's files lack keeps the architecture's init
-    for name in shapes:
-        weight = trained.get(name)
-        if weight is None:
-            weight = weights.read(name, (), torch.device("cpu")).float() if weights.holds(name) else built[name]
-        yield name, merged(name, weight, trained, cfg.lora.scaling, model)
+    with weights.reading():  # each of the base's files opened once
+        for name in shapes:
+            weight = trained.get(name)
+            if weight is None:
+                weight = weights.read(name, (), torch.device("cpu")).float() if weights.holds(name) else built[name]
+            yield name, merged(name, weight, trained, cfg.lora.scaling, model)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,6 +53,7 @@ class SafetensorsWeights:
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
         self.source, self.root = directory, root
+        self._open_files: dict | None = None  # the files `reading` keeps open, by name
         index = root / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -108,15 +109,34 @@ class SafetensorsWeights:
                           "it again (huggingface-cli download), or give a complete model directory")
 
     @contextlib.contextmanager
-    def _open(self, file: str, device: str = "cpu") -> Iterator:
-        """safe_open of one of the checkpoint's files; a file that is not safetensors (truncated,
-        empty, overwritten) is one ModelError naming it."""
+    def _open(self, file: str) -> Iterator:
+        """One of the checkpoint's files, open (within `reading`: opened once, closed at its end); a
+        file that is not safetensors (truncated, empty, overwritten) is one ModelError naming it."""
+        if self._open_files is not None:
+            if file not in self._open_files:
+                self._open_files[file] = self._closing.enter_context(self._safe_open(file))
+            yield self._open_files[file]
+            return
+        with self._safe_open(file) as f:
+            yield f
+
+    def _safe_open(self, file: str):
         try:
-            handle = safe_open(self.root / file, framework="pt", device=device)
+            return safe_open(self.root / file, framework="pt", device="cpu")
         except (SafetensorError, OSError) as e:
             raise self._damaged(file, " ".join(str(e).split())) from None
-        with handle as f:
-            yield f
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Within it, each file is opened once (its header, which lists every tensor of the file, is
+        parsed once: a checkpoint of per-expert tensors has tens of thousands) and stays open until
+        the end, when the pages this rank touched are unmapped."""
+        with contextlib.ExitStack() as self._closing:
+            self._open_files = {}
+            try:
+                yield
+            finally:
+                self._open_files = None
 
     def _file_shapes_by_name(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape in the files, by name (their headers only)."""
@@ -177,8 +197,6 @@ class SafetensorsWeights:
     def _read_file(self, model_name: str, index) -> torch.Tensor:
         """Slice `index` of the files' tensor that the model would call `model_name`."""
         file_name = self.names.of(model_name)
-        # Opened per tensor: the file is memory-mapped, and closing it unmaps the pages this rank
-        # touched, so host memory holds at most one slice beyond the rank's own shards.
         with self._open(self.weight_map[file_name]) as f:
             return f.get_slice(file_name)[index]
 
@@ -203,6 +221,10 @@ class RandomWeights:
 
     def holds(self, name: str) -> bool:
         return True
+
+    def reading(self) -> contextlib.AbstractContextManager:
+        """As SafetensorsWeights.reading (no files here)."""
+        return contextlib.nullcontext()
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         if name in self.buffers:
@@ -235,7 +257,7 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
     """Fill every (sharded) parameter of `model` with its slice, in the parameter's dtype (float32
     masters; a LoRA run's frozen base in the compute dtype). LoRA adapters, which no model file
     holds, start from their own initialisation (sft/models/lora.py), seeded like random init."""
-    with torch.no_grad():
+    with torch.no_grad(), weights.reading():
         # By name: QLoRA replaces its NF4 parameters as it goes, and a list of the parameters
         # would keep every replaced one alive (the whole NF4 base twice).
         for name in [name for name, _ in model.named_parameters()]:
@@ -308,8 +330,9 @@ def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> No
         return
     config.save_pretrained(directory)
     weights = SafetensorsWeights(cfg.name_or_path, model)
-    save_file({name: weights.read_as_stored(name) for name in weights.kept()}, directory / KEPT,
-              metadata={"format": "pt", **weights.names.metadata()})
+    with weights.reading():
+        kept = {name: weights.read_as_stored(name) for name in weights.kept()}
+    save_file(kept, directory / KEPT, metadata={"format": "pt", **weights.names.metadata()})
 
 
 def base_changed(recorded: str, current: str) -> bool:

@@ -4,6 +4,7 @@ the layout they are published in) load into the model, whole or any slice, and a
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -158,3 +159,32 @@ def test_a_vision_tower_missing_or_misshapen_in_the_files_is_one_error_naming_it
         with pytest.raises(ModelError, match=rf"its vision tower does not match its config.json \({count} differ, e.g. "
                                              rf"\S+: \(.*\) in the model of config.json, {found} in the files\)"):
             SafetensorsWeights(str(directory), model).check()
+
+
+def test_a_load_opens_each_file_once_however_many_tensors_it_holds(tmp_path, monkeypatch):
+    """A checkpoint of thousands of per-expert tensors (Qwen3-MoE as saved: 3 x 512 experts a block)
+    in two files: the load opens each file once (safe_open parses the file's whole header at every
+    open: per tensor, that was minutes for a published MoE checkpoint), and reads what transformers reads."""
+    from sft.models import weights as weights_module
+    from sft.models.build import materialize, real_buffers
+    from sft.models.weights import load_weights
+
+    config = tiny_config("qwen3_moe", num_experts=512, num_local_experts=512, moe_intermediate_size=8, num_hidden_layers=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="4MB")
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) >= 2
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sum(".experts." in name for name in weight_map) == 2 * 3 * 512
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    model = build_meta_model(ModelConfig(name_or_path=str(tmp_path)))
+    materialize(model, real_buffers(model), torch.device("cpu"))
+    weights = SafetensorsWeights(str(tmp_path), model)
+    opened = []
+    real_safe_open = weights_module.safe_open
+    monkeypatch.setattr(weights_module, "safe_open", lambda path, **kw: opened.append(path) or real_safe_open(path, **kw))
+    load_weights(model, weights, torch.device("cpu"))
+    assert sorted(opened) == files  # each file once
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
