@@ -1,10 +1,13 @@
 """Time loading a checkpoint as transformers saves it (one tensor per expert) through our loader,
 next to transformers' `from_pretrained` of the same files, on this machine's CPU.
 
-    python scripts/bench_load.py /tmp/qwen3moe-8x128   # writes the checkpoint there first if missing
+    python scripts/bench_load.py /tmp/qwen3moe-8x128                 # writes the checkpoint there first if missing
+    python scripts/bench_load.py /tmp/qwen35moe-12 --preset qwen3.5-35b-a3b-12 --device cuda
 
-The default shapes are the [startup] issue's CPU case: Qwen3-MoE, 8 blocks of 128 experts, 0.4 GB
-in bf16 (3,072 expert tensors); the page cache is warmed by a first read of every file.
+The presets are the [startup] issue's cases: `cpu` Qwen3-MoE, 8 blocks of 128 experts, 0.4 GB in
+bf16 (3,072 expert tensors); `qwen3.5-35b-a3b-12` Qwen3.5-35B-A3B's widths, 12 of its 40 blocks,
+21 GB (9,216 expert tensors). Both sides load bf16 onto `--device`; the page cache is warmed by a
+first read of every file.
 """
 
 from __future__ import annotations
@@ -21,31 +24,50 @@ from sft.models.build import build_meta_model, materialize, real_buffers
 from sft.models.weights import SafetensorsWeights, load_weights
 
 
+PRESETS = {
+    "cpu": ("qwen3_moe", dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=128, num_experts=128,
+                              num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                              head_dim=64, vocab_size=32000)),
+    "qwen3.5-35b-a3b-12": ("qwen3_5_moe_text", dict(num_hidden_layers=12)),  # its config class's defaults: 35B-A3B
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
     if not (args.directory / "config.json").is_file():
-        config = AutoConfig.for_model("qwen3_moe", hidden_size=512, intermediate_size=1024, moe_intermediate_size=128,
-                                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=8,
-                                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=32000,
-                                      dtype="bfloat16")
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(args.directory)
+        model_type, shapes = PRESETS[args.preset]
+        with device:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shapes, dtype="bfloat16"),
+                                                     dtype=torch.bfloat16)
+        model.save_pretrained(args.directory)
+        del model
     for file in args.directory.glob("*.safetensors"):  # warm the page cache for both sides
         file.read_bytes()
+    size = sum(file.stat().st_size for file in args.directory.glob("*.safetensors"))
     for _ in range(args.repeats):
-        model = build_meta_model(ModelConfig(name_or_path=str(args.directory)))
-        materialize(model, real_buffers(model), torch.device("cpu"))
+        model = build_meta_model(ModelConfig(name_or_path=str(args.directory))).to(torch.bfloat16)
+        materialize(model, real_buffers(model), device)
+        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         t0 = time.perf_counter()
         weights = SafetensorsWeights(str(args.directory), model)
         weights.check()
-        load_weights(model, weights, torch.device("cpu"))
+        load_weights(model, weights, device)
+        synchronize()
         ours = time.perf_counter() - t0
+        del model, weights
         t0 = time.perf_counter()
-        AutoModelForCausalLM.from_pretrained(args.directory)
+        model = AutoModelForCausalLM.from_pretrained(args.directory, dtype=torch.bfloat16, device_map=args.device)
+        synchronize()
         theirs = time.perf_counter() - t0
-        print(f"ours {ours:.2f} s (check and load), from_pretrained {theirs:.2f} s", flush=True)
+        del model
+        print(f"{size / 1e9:.1f} GB on {args.device}: ours {ours:.2f} s (check and load, "
+              f"{size / 1e9 / ours:.2f} GB/s), from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":
