@@ -67,7 +67,8 @@ def main() -> None:
         theirs = time.perf_counter() - t0
         del model
         print(f"{size / 1e9:.1f} GB on {args.device}: ours {ours:.2f} s (check and load, "
-              f"{size / 1e9 / ours:.2f} GB/s), from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)", flush=True)
+              f"{size / 1e9 / ours:.2f} GB/s), from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)",
+              flush=True)
 
 
 if __name__ == "__main__":
