@@ -39,6 +39,10 @@ from sft.models.peft_format import is_adapter
 from sft.models.vision_language import KEPT, checkpoint_class, file_names, is_vision_language, kept_names
 
 
+# Within SafetensorsWeights.reading, a file is closed (and opened again when next read) after this much
+# was read from it: the file is memory-mapped, and closing it unmaps the pages this rank touched, so host
+# memory holds at most this much of the files beyond the rank's own shards.
+REOPEN_AFTER_BYTES = 64 * 2**20
 # The fingerprint of a base's weights (SafetensorsWeights.digest); "sha256:" before it was of the files
 WEIGHTS_DIGEST = "weights-sha256:"
 
@@ -110,15 +114,15 @@ class SafetensorsWeights:
 
     @contextlib.contextmanager
     def _open(self, file: str) -> Iterator:
-        """One of the checkpoint's files, open (within `reading`: opened once, closed at its end); a
-        file that is not safetensors (truncated, empty, overwritten) is one ModelError naming it."""
-        if self._open_files is not None:
-            if file not in self._open_files:
-                self._open_files[file] = self._closing.enter_context(self._safe_open(file))
-            yield self._open_files[file]
+        """One of the checkpoint's files, open (within `reading`, kept open); a file that is not
+        safetensors (truncated, empty, overwritten) is one ModelError naming it."""
+        if self._open_files is None:
+            with self._safe_open(file) as f:
+                yield f
             return
-        with self._safe_open(file) as f:
-            yield f
+        if file not in self._open_files:
+            self._open_files[file] = [self._safe_open(file).__enter__(), 0]
+        yield self._open_files[file][0]
 
     def _safe_open(self, file: str):
         try:
@@ -126,17 +130,25 @@ class SafetensorsWeights:
         except (SafetensorError, OSError) as e:
             raise self._damaged(file, " ".join(str(e).split())) from None
 
+    def _have_read(self, file: str, nbytes: int) -> None:
+        """Within `reading`: `nbytes` more read from `file`; past REOPEN_AFTER_BYTES it is closed."""
+        if self._open_files is not None and file in self._open_files:
+            self._open_files[file][1] += nbytes
+            if self._open_files[file][1] >= REOPEN_AFTER_BYTES:
+                self._open_files.pop(file)[0].__exit__(None, None, None)
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Within it, each file is opened once (its header, which lists every tensor of the file, is
-        parsed once: a checkpoint of per-expert tensors has tens of thousands) and stays open until
-        the end, when the pages this rank touched are unmapped."""
-        with contextlib.ExitStack() as self._closing:
-            self._open_files = {}
-            try:
-                yield
-            finally:
-                self._open_files = None
+        """Within it, a file stays open (its header, which lists every tensor of the file, parsed once:
+        a checkpoint of per-expert tensors has tens of thousands) until REOPEN_AFTER_BYTES were read
+        from it, and at the end."""
+        self._open_files = {}
+        try:
+            yield
+        finally:
+            files, self._open_files = self._open_files, None
+            for handle, _ in files.values():
+                handle.__exit__(None, None, None)
 
     def _file_shapes_by_name(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape in the files, by name (their headers only)."""
@@ -158,7 +170,9 @@ class SafetensorsWeights:
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
         with self._open(self.weight_map[name]) as f:
-            return f.get_tensor(name)
+            tensor = f.get_tensor(name)
+        self._have_read(self.weight_map[name], tensor.nbytes)
+        return tensor
 
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
@@ -198,7 +212,9 @@ class SafetensorsWeights:
         """Slice `index` of the files' tensor that the model would call `model_name`."""
         file_name = self.names.of(model_name)
         with self._open(self.weight_map[file_name]) as f:
-            return f.get_slice(file_name)[index]
+            tensor = f.get_slice(file_name)[index]
+        self._have_read(self.weight_map[file_name], tensor.nbytes)
+        return tensor
 
 
 # Parameters this small keep the value their module's constructor gave them where the architecture's
