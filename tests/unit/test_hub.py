@@ -161,10 +161,11 @@ def test_a_vision_tower_missing_or_misshapen_in_the_files_is_one_error_naming_it
             SafetensorsWeights(str(directory), model).check()
 
 
-def test_a_load_opens_each_file_once_however_many_tensors_it_holds(tmp_path, monkeypatch):
+def test_a_load_opens_each_file_a_few_times_however_many_tensors_it_holds(tmp_path, monkeypatch):
     """A checkpoint of thousands of per-expert tensors (Qwen3-MoE as saved: 3 x 512 experts a block)
-    in two files: the load opens each file once (safe_open parses the file's whole header at every
-    open: per tensor, that was minutes for a published MoE checkpoint), and reads what transformers reads."""
+    in two files: the load opens each file a bounded number of times (safe_open parses the file's whole
+    header at every open: per tensor, that was minutes for a published MoE checkpoint), and reads what
+    transformers reads."""
     from sft.models import weights as weights_module
     from sft.models.build import materialize, real_buffers
     from sft.models.weights import load_weights
@@ -184,7 +185,8 @@ def test_a_load_opens_each_file_once_however_many_tensors_it_holds(tmp_path, mon
     real_safe_open = weights_module.safe_open
     monkeypatch.setattr(weights_module, "safe_open", lambda path, **kw: opened.append(path) or real_safe_open(path, **kw))
     load_weights(model, weights, torch.device("cpu"))
-    assert sorted(opened) == files  # each file once
+    # each file opened at most 9 times (closed after each eighth of it was read, to unmap the pages read)
+    assert set(opened) == set(files) and all(opened.count(file) <= 9 for file in files), len(opened)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
