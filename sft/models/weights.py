@@ -198,6 +198,8 @@ class SafetensorsWeights:
         if checkpoint_class(self.root) is None:
             return {}, dict
         config = AutoConfig.from_pretrained(self.root)
+        if type(config) not in AutoModelForImageTextToText._model_mapping:  # no class to check against: kept as is
+            return {}, dict
         with torch.device("meta"):
             whole = AutoModelForImageTextToText.from_config(config)
         language_model = {id(p) for module in (whole.get_decoder(), whole.get_output_embeddings())
