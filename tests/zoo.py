@@ -98,7 +98,7 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
     from sft.models.vision_language import is_vision_language
     from sft.models.weights import SafetensorsWeights, load_weights, write_model_files
-    from sft.training.loss import attach_sft_loss, loss_inputs
+    from sft.training.loss import attach_sft_loss
 
     row = Row(family)
     model_type = family.removesuffix(" (vision-language)")
@@ -151,29 +151,21 @@ def check_family(family: str, tmp: Path) -> Row:
             ours = _loss(model, padded)
             model.train()
             try:
-                theirs = _next_token_loss((AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
-                                          .from_pretrained(directory, attn_implementation="eager"), padded)
+                reference = _next_token_loss((AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
+                                             .from_pretrained(directory, attn_implementation="eager"), padded)
             except AttributeError:  # Llama-4's cannot run on text alone in transformers 5.24 (no image_outputs)
                 if model_type != "llama4":
                     raise
-                theirs = None  # no reference: the row says so
-        theirs_at_load = theirs
-        if theirs is not None and not abs(ours - theirs) <= 1e-4 * abs(theirs):
-            row.status = f"loads otherwise than transformers ({ours:.5f} here, {theirs:.5f} there)"
+                reference = None  # no reference: the row says so
+        if reference is not None and not abs(ours - reference) <= 1e-4 * abs(reference):
+            row.status = f"loads otherwise than transformers ({ours:.5f} here, {reference:.5f} there)"
             return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(STEPS):
-            if moe:
-                moe.begin_step(padded["real_tokens"].sum())
-                moe.begin_micro_batch(padded["real_tokens"])
-            loss = model.sft_loss(**loss_inputs(padded))
-            if moe:
-                moe.end_micro_batch()
-            loss.backward()
+            losses.append(_backward(model, moe, padded))
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(loss.item())
         if not losses[-1] < losses[0]:
             row.status = "loss did not fall"
             return row
@@ -210,7 +202,7 @@ def check_family(family: str, tmp: Path) -> Row:
                 if type(loaded) is not type(model):
                     row.status = f"exports as {type(loaded).__name__}"
                     return row
-            if theirs_at_load is not None:
+            if reference is not None:
                 ours, theirs = _loss(model, padded), _next_token_loss(loaded, padded)
                 logits = loaded(input_ids=padded["input_ids"], use_cache=False).logits.float()
                 # causal without a mask, as rows of one sequence run: a prefix's logits do not see what follows
@@ -221,7 +213,7 @@ def check_family(family: str, tmp: Path) -> Row:
                 if abs(ours - theirs) > 1e-4 * abs(theirs):
                     row.status = f"differs from transformers' loss ({ours:.5f} here, {theirs:.5f} there)"
                     return row
-        row.status = "trains, exports" if theirs_at_load is not None else (
+        row.status = "trains, exports" if reference is not None else (
             "trains, exports; its load is not compared (transformers' class cannot run on text alone)")
     except Exception as e:  # noqa: BLE001
         row.status = f"fails: {_reason(e)}"
@@ -298,11 +290,10 @@ def _loss(model, batch: dict) -> float:
     return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
 
 
-def _loss_and_grads(model, moe, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    """Our loss of `batch` and the gradient of every parameter (`moe`: the MoE handle, or None)."""
+def _backward(model, moe, batch: dict) -> float:
+    """Our loss of `batch`, its gradients accumulated (`moe`: the MoE handle, or None), as a step does."""
     from sft.training.loss import loss_inputs
 
-    model.zero_grad()
     if moe:
         moe.begin_step(batch["real_tokens"].sum())
         moe.begin_micro_batch(batch["real_tokens"])
@@ -310,9 +301,16 @@ def _loss_and_grads(model, moe, batch: dict) -> tuple[float, dict[str, torch.Ten
     if moe:
         moe.end_micro_batch()
     loss.backward()
+    return loss.item()
+
+
+def _loss_and_grads(model, moe, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """Our loss of `batch` and the gradient of every parameter."""
+    model.zero_grad()
+    loss = _backward(model, moe, batch)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    return loss.item(), grads
+    return loss, grads
 
 
 def _next_token_loss(model, batch: dict) -> float:
