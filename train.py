@@ -31,7 +31,7 @@ from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first, shut_down
 from sft.errors import run_command
 from sft.models.build import check_vocabulary, load_tokenizer
-from sft.models.float8 import precompute_scales_after_each_step
+from sft.parallel.float8 import precompute_scales_after_each_step
 from sft.parallel.mesh import ParallelDims
 from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_memory_gib
 from sft.profiling import StepProfiler

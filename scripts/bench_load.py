@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from sft.config import ModelConfig
 from sft.models.build import build_meta_model, materialize, real_buffers
-from sft.models.weights import SafetensorsWeights, load_weights
+from sft.hub.weights import SafetensorsWeights, load_weights
 
 
 PRESETS = {

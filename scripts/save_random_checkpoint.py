@@ -18,8 +18,8 @@ import torch
 
 from sft.config import ModelConfig
 from sft import atomic
-from sft.models.hub import write_safetensors
-from sft.models.weights import RandomWeights
+from sft.hub.layout import write_safetensors
+from sft.hub.weights import RandomWeights
 
 
 def main() -> None:

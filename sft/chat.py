@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from sft.adapters.peft_format import BASE_WEIGHTS, CONFIG_FILE, in_model, merged, read_adapter, unmatched
 from sft.config import is_local_path
 from sft.errors import UserError, run_command
-from sft.models.peft_format import BASE_WEIGHTS, CONFIG_FILE, in_model, merged, read_adapter, unmatched
+from sft.hub.identity import WEIGHTS_DIGEST, base_changed, weights_digest
+from sft.hub.weights import SafetensorsWeights
 from sft.models.vision_language import causal_class, is_vision_language
-from sft.models.weights import WEIGHTS_DIGEST, SafetensorsWeights, base_changed
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
@@ -38,7 +39,7 @@ def _check_base(adapter: Path, recorded: str, base: str, model, allowed: bool) -
     adapter_config.json `recorded` them), unless `allowed`."""
     if not recorded.startswith(WEIGHTS_DIGEST):  # a base of random init, or an adapter from before the record
         return
-    current = SafetensorsWeights(base, model).digest()
+    current = weights_digest(SafetensorsWeights(base, model))
     if not base_changed(recorded, current):
         return
     if not allowed:

@@ -124,6 +124,17 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def local_slice(tensor: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
+    """(where this rank's part of `tensor` sits in the whole tensor, that part)."""
+    if isinstance(tensor, DTensor):
+        # The public chunk description DCP itself uses: where this rank's shard sits.
+        chunk = tensor.__create_chunk_list__()[0]
+        shape, offset, local = chunk.sizes, chunk.offsets, tensor.to_local()
+    else:
+        shape, offset, local = tensor.shape, (0,) * tensor.dim(), tensor
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape)), local
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device` without making the host wait for the GPU: a plain copy from host memory
     to a GPU waits until the GPU has run everything queued before it (a whole step), a copy from

@@ -27,15 +27,16 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from sft import atomic
+from sft.adapters.peft_format import merged, write_adapter
 from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointError, checkpoint_problem, content_problem,
                                    read_train_state)
 from sft.config import DTYPES, Config, LoRAConfig, ModelConfig, is_local_path, read_resolved_config
 from sft.errors import UserError, run_command
+from sft.hub.identity import base_changed, base_identity
+from sft.hub.layout import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
+from sft.hub.vision_language import KEPT, FileNames, checkpoint_class
+from sft.hub.weights import initial_weights
 from sft.models.build import build_meta_model, load_tokenizer, persistent_buffers
-from sft.models.hub import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
-from sft.models.peft_format import merged, write_adapter
-from sft.models.vision_language import KEPT, FileNames, checkpoint_class
-from sft.models.weights import base_changed, base_identity, initial_weights
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -92,7 +93,7 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
 def write_model(tensors: Iterable[tuple[str, torch.Tensor]], model, model_files: Path, out: Path,
                 dtype: str) -> None:
     """Write the model whose (name, tensor) pairs are `tensors` into `out` as a Hugging Face model in
-    `dtype`: as save_pretrained writes it (experts one tensor each, renamed, ...: sft/models/hub.py),
+    `dtype`: as save_pretrained writes it (experts one tensor each, renamed, ...: sft/hub/layout.py),
     with the config of `model_files` (a checkpoint's hf/); a vision-language checkpoint's as the
     original, its language model as trained and the kept tensors (vision tower...) as they were."""
     kept_dtype = _kept_in_their_dtype(model)

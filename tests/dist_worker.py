@@ -26,9 +26,9 @@ from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, F
 from sft.distributed import all_reduce_sum, init_distributed, local_part
 from sft.training.loss import forward_backward, loss_inputs, on_device
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
-from sft.models.weights import initial_weights, load_weights
+from sft.hub.weights import initial_weights, load_weights
 from sft.models.nf4 import is_nf4
-from sft.models.peft_format import is_adapter
+from sft.hub.layout import is_adapter
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
 from sft.parallel.mesh import ParallelDims

@@ -21,10 +21,10 @@ from sft.checkpoint.manager import Checkpointer
 from sft.data.collate import collate
 from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionConfig
 from sft.distributed import all_reduce_sum, init_distributed
-from sft.models.float8 import fuse_weight_casts, precompute_scales_after_each_step
+from sft.parallel.float8 import fuse_weight_casts, precompute_scales_after_each_step
 from sft.training.loss import forward_backward, loss_inputs, on_device
 from sft.models.build import clean_name, load_tokenizer
-from sft.models.weights import initial_weights, load_weights
+from sft.hub.weights import initial_weights, load_weights
 from sft.training.optim import build_optimizer, build_scheduler
 from sft.parallel.mesh import ParallelDims
 from sft.training.model import build_training_model

@@ -93,11 +93,11 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.models.build import (build_meta_model, decoder_blocks, materialize, model_config, persistent_buffers,
                                   real_buffers)
     from sft.export import write_model
-    from sft.models.lora import apply_lora
+    from sft.adapters.lora import apply_lora
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
     from sft.models.vision_language import is_vision_language
-    from sft.models.weights import SafetensorsWeights, load_weights, write_model_files
+    from sft.hub.weights import SafetensorsWeights, load_weights, write_model_files
     from sft.training.loss import attach_sft_loss
 
     row = Row(family)
@@ -268,7 +268,7 @@ def _saved_by_transformers(cfg, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     from sft.models.build import model_config
-    from sft.models.weights import RandomWeights
+    from sft.hub.weights import RandomWeights
 
     shutil.copytree(cfg.name_or_path, out)
     model = AutoModelForCausalLM.from_config(model_config(cfg))

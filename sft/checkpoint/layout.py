@@ -165,3 +165,14 @@ def _structure_problem(path: Path, files: tuple[str, ...]) -> str | None:
         except Exception as e:
             return f"unreadable {rng.name} ({type(e).__name__})"
     return None
+
+
+def shape_mismatches(path: Path, model_state: dict) -> list[str]:
+    """Model tensors that differ between a model's state dict and the checkpoint `path`'s (another
+    architecture, size or depth): shapes of the tensors both have, and tensors only one of them has."""
+    saved = {key.removeprefix("model."): tuple(meta.size)
+             for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.")}
+    ours = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
+    return [f"{name}: {ours.get(name, 'absent')} here, {saved.get(name, 'absent')} in the checkpoint"
+            for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]

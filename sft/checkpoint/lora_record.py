@@ -8,17 +8,17 @@ from pathlib import Path
 
 from torch import nn
 
+from sft.adapters.lora import LoRA
 from sft.checkpoint.layout import CheckpointError
 from sft.config import ModelConfig
 from sft.distributed import log0
-from sft.models.lora import LoRA
-from sft.models.weights import base_identity
+from sft.hub.identity import base_identity
 
 LEGACY_DIGEST = "sha256:"  # the fingerprint of a base's files (sharding and all) that checkpoints recorded before
 
 
 def lora_record(model_cfg: ModelConfig, lora: LoRA, seed: int, model: nn.Module, prepared: Path | None) -> dict:
-    """The record of a run's adapters (rank 0 reads the base's files: sft/models/weights.py:base_identity;
+    """The record of a run's adapters (rank 0 reads the base's files: sft/hub/weights.py:base_identity;
     `prepared`: the prepared-model cache the base was loaded from, if it was)."""
     return {**base_identity(model_cfg, seed, model, prepared), "rank": lora.cfg.rank, "alpha": lora.cfg.alpha,
             "target_modules": lora.targets}

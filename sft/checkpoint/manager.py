@@ -22,18 +22,17 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sft import atomic
+from sft.adapters.lora import LoRA
 from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
-from sft.checkpoint.lora_record import lora_change_problem, lora_record
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
                                    checkpoint_problem, committed_checkpoints, content_problem, read_train_state,
-                                   rng_file, step_of)
+                                   rng_file, shape_mismatches, step_of)
+from sft.checkpoint.lora_record import lora_change_problem, lora_record
 from sft.checkpoint.staging import HostStaging, tensors_of
-from sft.config import Config, to_yaml
+from sft.config import Config, state_bytes, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, local_part, log0
-from sft.models.lora import LoRA, checkpointed_parameters
-from sft.models.peft_format import is_adapter
-from sft.models.weights import initial_weights, initialise_adapters, load_weights, write_model_files
-from sft.training.optim import state_bytes
+from sft.hub.layout import is_adapter
+from sft.hub.weights import initial_weights, load_weights, write_model_files
 
 
 def _unusable(resume: str, problem: str, shared: bool = False) -> CheckpointError:
@@ -55,17 +54,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def _shape_mismatches(path: Path, state: dict) -> list[str]:
-    """Model tensors that differ between this model and the checkpoint's (another architecture,
-    size or depth): shapes of the tensors both have, and tensors only one of them has."""
-    saved = {key.removeprefix("model."): tuple(meta.size)
-             for key, meta in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-             if key.startswith("model.")}
-    ours = {name: tuple(tensor.shape) for name, tensor in state["model"].items()}
-    return [f"{name}: {ours.get(name, 'absent')} here, {saved.get(name, 'absent')} in the checkpoint"
-            for name in sorted(ours.keys() | saved.keys()) if ours.get(name) != saved.get(name)]
 
 
 def _size(nbytes: float) -> str:
@@ -153,8 +141,8 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if not c.enabled:
             return
-        size = state_bytes(self.cfg.optim).checkpoint * sum(
-            p.numel() for p in checkpointed_parameters(model, lora).values())
+        held = lora.checkpointed(model).values() if lora else model.parameters()
+        size = state_bytes(self.cfg.optim).checkpoint * sum(p.numel() for p in held)
         start = step_of(resume_from) if resume_from else 0
         saves = 1 + ((total_steps - 1) // c.every_steps - start // c.every_steps if c.every_steps else 0)
         more = max(1, min(c.most_on_disk, saves) - len(committed_checkpoints(self.root)))
@@ -180,6 +168,8 @@ class Checkpointer:
         self.check_room(model, lora, resume_from, total_steps)
         t0 = time.perf_counter()
         loaded = None if resume_from is not None and not lora else self._model_weights(model)
+        if lora:  # no model file or cache holds the adapters; a resumed checkpoint's replace these
+            lora.initialise_adapters(model, self.cfg.train.seed, self.env.device)
         if lora:  # read now, while the base is surely where it was loaded from
             decided_on_rank0(lambda: self.lora_record(model), long_wait=True)
         if resume_from is None:
@@ -200,7 +190,6 @@ class Checkpointer:
             state = {"model": _base_state(model)}
             dcp.load(state, checkpoint_id=prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-            initialise_adapters(model, self.cfg.train.seed, self.env.device)
             self._prepared = prepared
             return f"loaded the prepared-model cache {prepared}"
         load_weights(model, initial_weights(self.cfg.model, self.cfg.train.seed, model), self.env.device)
@@ -219,7 +208,7 @@ class Checkpointer:
         (the frozen base is read again from its source)."""
         weights = get_model_state_dict(model)  # all of it (buffers, a tied head's second name) without LoRA
         if self._lora:
-            held = checkpointed_parameters(model, self._lora)
+            held = self._lora.checkpointed(model)
             weights = {name: value for name, value in weights.items() if name in held}
         return {"model": weights, "optimizer": get_optimizer_state_dict(model, optimizer)}
 
@@ -231,7 +220,7 @@ class Checkpointer:
             if self._lora:
                 lora_change_problem(path, read_train_state(path / TRAIN_STATE).get("lora"),
                                     self.lora_record(model), self._lora.cfg.allow_resume_change)
-            wrong = _shape_mismatches(path, state)
+            wrong = shape_mismatches(path, state["model"])
             if wrong:
                 raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
                                       f"{wrong[0]}); resume with the model it was trained from, or set "

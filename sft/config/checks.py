@@ -5,6 +5,7 @@ depend on the machine that trains."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,30 +62,7 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(cfg.data.num_proc >= 1, "data.num_proc", cfg.data.num_proc, "must be >= 1")
     check(cfg.cp.degree >= 1, "cp.degree", cfg.cp.degree, "must be >= 1 (1 = no context parallelism)")
     check(cfg.fsdp.replicate_degree >= 1, "fsdp.replicate_degree", cfg.fsdp.replicate_degree, "must be >= 1")
-    check(cfg.optim.master_dtype == "float32"
-          or (cfg.fsdp.param_dtype == cfg.fsdp.reduce_dtype == "bfloat16" and not cfg.lora.enabled
-              and not cfg.fsdp.cpu_offload and cfg.fsdp.replicate_degree == 1),
-          "optim.master_dtype", cfg.optim.master_dtype, "bfloat16 master weights need fsdp.param_dtype=bfloat16 and "
-          "fsdp.reduce_dtype=bfloat16, and not LoRA (lora.rank > 0: its adapters' state is small), fsdp.cpu_offload "
-          "or fsdp.replicate_degree > 1 (each replica would round its copy apart); set those, or "
-          "optim.master_dtype=float32")
-    check(cfg.optim.state_dtype == "float32" or not (cfg.fsdp.cpu_offload or cfg.fsdp.replicate_degree > 1),
-          "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its "
-          "state is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
-          "optim.state_dtype=float32")
-    check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
-    check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", cfg.moe.bias_update_rate,
-          "must be >= 0 (0 keeps the checkpoint's correction bias)")
-    check(not (cfg.moe.bias_update_rate and cfg.lora.enabled), "moe.bias_update_rate", cfg.moe.bias_update_rate,
-          "a LoRA run keeps the base's correction bias frozen (its checkpoints hold the adapters alone); set it to 0")
-    check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
-          "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
-          "optim.state_dtype / optim.master_dtype yourself")
-    check(cfg.moe.ep_degree <= 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and cfg.lora.base != "nf4"),
-          "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
-          "fsdp.replicate_degree > 1 or QLoRA's lora.base=nf4 (whole on every rank) yet; set moe.ep_degree=1")
-    check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
-          "must be >= 0, or null for the model's router_aux_loss_coef")
+    _state_and_moe_checks(cfg, check)
     check(cfg.eval.every_steps >= 0, "eval.every_steps", cfg.eval.every_steps, "must be >= 0")
     check(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be >= 0")
     check(cfg.checkpoint.enabled or not cfg.checkpoint.export_hf, "checkpoint.export_hf", cfg.checkpoint.export_hf,
@@ -110,6 +88,34 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
             check(Path(value).expanduser().exists(), key, value,
                   "file not found; give an existing file or a hub dataset name")
     return problems
+
+
+def _state_and_moe_checks(cfg: Config, check: Callable[[bool, str, Any, str], None]) -> None:
+    """range_checks' of the optimizer state's dtypes, expert parallelism and routing, through its `check`."""
+    check(cfg.optim.master_dtype == "float32"
+          or (cfg.fsdp.param_dtype == cfg.fsdp.reduce_dtype == "bfloat16" and not cfg.lora.enabled
+              and not cfg.fsdp.cpu_offload and cfg.fsdp.replicate_degree == 1),
+          "optim.master_dtype", cfg.optim.master_dtype, "bfloat16 master weights need fsdp.param_dtype=bfloat16 and "
+          "fsdp.reduce_dtype=bfloat16, and not LoRA (lora.rank > 0: its adapters' state is small), fsdp.cpu_offload "
+          "or fsdp.replicate_degree > 1 (each replica would round its copy apart); set those, or "
+          "optim.master_dtype=float32")
+    check(cfg.optim.state_dtype == "float32" or not (cfg.fsdp.cpu_offload or cfg.fsdp.replicate_degree > 1),
+          "optim.state_dtype", cfg.optim.state_dtype, "bfloat16 moments do not combine with fsdp.cpu_offload (its "
+          "state is in host memory) or fsdp.replicate_degree > 1 (each replica would round its copy apart); set "
+          "optim.state_dtype=float32")
+    check(cfg.moe.ep_degree >= 1, "moe.ep_degree", cfg.moe.ep_degree, "must be >= 1 (1 = no expert parallelism)")
+    check(cfg.moe.bias_update_rate >= 0, "moe.bias_update_rate", cfg.moe.bias_update_rate,
+          "must be >= 0 (0 keeps the checkpoint's correction bias)")
+    check(not (cfg.moe.bias_update_rate and cfg.lora.enabled), "moe.bias_update_rate", cfg.moe.bias_update_rate,
+          "a LoRA run keeps the base's correction bias frozen (its checkpoints hold the adapters alone); set it to 0")
+    check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
+          "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
+          "optim.state_dtype / optim.master_dtype yourself")
+    check(cfg.moe.ep_degree <= 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and cfg.lora.base != "nf4"),
+          "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
+          "fsdp.replicate_degree > 1 or QLoRA's lora.base=nf4 (whole on every rank) yet; set moe.ep_degree=1")
+    check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
+          "must be >= 0, or null for the model's router_aux_loss_coef")
 
 
 # The module each of transformers' flash attention kernels imports (FA4 ships inside flash_attn).
@@ -158,7 +164,7 @@ def _lora_checks(cfg: Config, local_checks: bool) -> list[str]:
     if local_checks and importlib.util.find_spec("torchao") is None:
         problems.append("lora.base='nf4': needs torchao: pip install -e '.[fp8]' (or lora.base=bfloat16)")
     if cfg.fsdp.cpu_offload:
-        # NF4 weights are not FSDP's (sft/models/lora.py): they would stay in host memory.
+        # NF4 weights are not FSDP's (sft/adapters/lora.py): they would stay in host memory.
         problems.append("lora.base='nf4': not with fsdp.cpu_offload=true (the 4-bit base is meant to fit the GPU); "
                         "turn one of them off")
     if cfg.model.prepared_cache:

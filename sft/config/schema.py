@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import torch
 
+from sft.config.ac_modes import AC_MODES
+
 # The dtype names the config accepts (fsdp.*_dtype, checkpoint.export_dtype) and what they mean.
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # The fused lm_head + cross-entropy (sft/training/loss.py) computes its float32 logits in chunks of
@@ -164,33 +166,6 @@ class PrecisionConfig:
     accurate, slower. The lm_head and embeddings stay bf16; master weights, Adam moments and
     checkpoints stay float32 with the same keys as without float8 (none <-> float8 resume works).
     With LoRA: the adapted layers' frozen base matmuls, in our own kernel (no torchao; docs/lora.md)."""
-
-
-@dataclass(frozen=True)
-class ACMode:
-    """What a block checkpointed in this mode keeps for its backward, besides its input."""
-    keep_every_matmul: int | None
-    """None: nothing, the whole block is recomputed; 0: no matmul output; n: the outputs of the 1st,
-    (n+1)-th, ... matmul of the block, in the order they run"""
-    keep_attention: bool
-    """attention's output and log-sum-exp (what its backward reads), so it is never rerun"""
-
-
-# The values of ac.mode and what each keeps: the one table, read by the checkpointing policy and
-# the planner's costs of each mode (sft/parallel/activation_checkpointing.py).
-AC_MODES = {
-    # The least memory: every activation of the block is recomputed in backward.
-    "blocks": ACMode(keep_every_matmul=None, keep_attention=False),
-    # Almost nothing but the cheap ops (norms, rotary, SiLU) is recomputed, at ~70% of an unchecked
-    # block's activations (Qwen2.5-7B shapes).
-    "ops": ACMode(keep_every_matmul=1, keep_attention=True),
-    # TorchTitan's default: in a Llama/Qwen block q, v, gate and down are kept; k, o and up (~35% of
-    # the block's matmul FLOPs) are recomputed, at ~40% of the activations.
-    "ops_half": ACMode(keep_every_matmul=2, keep_attention=True),
-    # Only attention's output: at 32k tokens attention is a third of a block's forward FLOPs, and it
-    # is not rerun, for one bf16 vector per token.
-    "attention": ACMode(keep_every_matmul=0, keep_attention=True),
-}
 
 
 @dataclass

@@ -8,36 +8,11 @@ The rule: train every assistant turn as it is generated at inference. For assist
 sees render(messages[:k], add_generation_prompt=True) and generates the rest of render(messages[:k+1])
 through its end-of-turn token.
 
-Rows. Most templates (Qwen2.5, Llama-3) are prefix-preserving as text: rendering more messages only
-appends, so every turn sits in the full rendering exactly as it was generated and the conversation is
-one row. Templates that rewrite history (Qwen3's drops the `<think>` block of turns before the last
-user query) are not: turn k as generated is not in the full rendering. Such a conversation is expanded
-into one row per group of turns that can share a row: the row anchored at turn k is the rendering
-through turn k (its inference prompt + what it generates), and an earlier turn is also supervised in it
-when that row holds it exactly as generated (Qwen3's tool steps after one user query). Each turn is
-supervised in exactly one row; the history the rows repeat is the cost (O(turns^2) tokens), reported
-by `python -m sft.data --stats`. `last_turn_only` keeps only the row holding the final turn and
-supervises only that turn: no expansion, the earlier turns are context (the row's tokens are the same
-as with every turn trained; only its labels differ).
-
-Tokenisation follows inference. A row's text is cut at the rendered turn boundaries into prompt
-segments (everything up to and including the generation prompt, e.g. "<|im_start|>assistant\\n") and
-supervised segments (the turn's text or tool-call text and its end-of-turn token), and each segment is
-tokenised on its own. Tokenising the whole string instead lets a byte-level BPE merge across a
-boundary: with Qwen2's vocabulary "assistant\\n" + "\\nThe" becomes `assistant`, `ĊĊ`, `The`, a token
-that is half prompt, half reply, which the model never sees at inference (the prompt ends with `Ċ`,
-then it generates). Whitespace the template writes after the end-of-turn token (ChatML's "\\n")
-belongs to the next prompt segment and is not supervised.
-
-The trade-off: in a row that holds several turns as generated, earlier turns are tokenised as the model
-generated them (each on its own), whereas at inference a chat server re-tokenises the whole history
-as one string. The two differ only where a merge would cross a turn boundary, and then the training
-row holds the generated form. History a row does not hold as generated is prompt, tokenised in one piece.
-
-Reasoning. An assistant message may carry its reasoning as `reasoning_content`, `reasoning`,
-`thinking`, or inline `<think>...</think>` at the start of `content`. It is passed in the field the
-chat template reads (found in the template's source); a template that reads none of them gets it
-inline in `content`, as R1-distill and QwQ templates expect.
+Rows (one per conversation where the template is prefix-preserving as text; one per group of turns
+that can share a row where it rewrites history, as Qwen3's drops earlier `<think>` blocks), the
+tokenisation by segments (prompt segments and supervised ones, each tokenised on its own, so no BPE
+merge crosses a turn boundary) and the reasoning fields are explained, with their trade-offs, in
+docs/data.md "How masking works".
 
 Where a turn is in the rendering:
 * the template marks it with `{% generation %}`: the marked character spans, one row (the template's

@@ -5,7 +5,7 @@ No rank ever holds a full copy of the weights. The model is built on the meta de
 (so the sharded master weights are float32 from the start, and no whole-model cast is needed);
 buffers such as rotary `inv_freq` stay real and float32 (`parameters_on_meta`). After
 `fully_shard`, `materialize` gives each rank storage for its own shards only, which
-sft/models/weights.py fills.
+sft/hub/weights.py fills.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """Dropless experts on grouped GEMMs: the (token, slot) pairs sorted by expert, each expert's rows
 through its SwiGLU with `grouped_mm` on the gathered weights, the weighted sum back in token order.
 sft/models/moe.py puts `GroupedExperts` on each sparse block's experts; under expert parallelism
-the sorted rows travel to their experts' ranks (sft/parallel/expert_parallel.py)."""
+the sorted rows travel to their experts' ranks (sft/parallel/expert_parallel.py).
+
+Group sizes come from `searchsorted` on the device: no host sync, no capacity, no dropped token,
+and every shape depends only on the number of tokens, so a compiled block sees one graph. Where
+the kernel cannot run (float32 weights, e.g. the CPU tests; rows not 16-byte aligned),
+`_per_expert_linear` loops over the experts (a host sync; excluded from compile)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from sft.distributed import local_part
 from sft.models.nf4 import dequantized, full_shape, is_nf4
 
 # The fused expert weights of transformers' experts interface, in the order its classes define them
-# (PEFT nests its adapters of them in this order: sft/models/peft_format.py).
+# (PEFT nests its adapters of them in this order: sft/adapters/peft_format.py).
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
@@ -64,7 +69,7 @@ class GroupedExperts:
 
     def _project(self, name: str, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Rows through fused expert weight `name`: its bias where the model has one, its LoRA
-        adapters where lora.target_modules names the experts (`<name>_lora`, sft/models/lora.py)."""
+        adapters where lora.target_modules names the experts (`<name>_lora`, sft/adapters/lora.py)."""
         # Under expert parallelism the gathered weights are DTensors over the ep ranks, sharded by
         # expert (sft/parallel/expert_parallel.py): their local part is this rank's experts.
         weight = getattr(self, name)

@@ -2,53 +2,32 @@
 load-balancing loss, expert-load statistics and the correction bias of bias-balanced routers.
 
 Any sparse block transformers ships whose experts follow its experts interface (fused
-`experts.gate_up_proj` / `experts.down_proj`, marked by transformers' `use_experts_implementation`
-with their layout: transposed, interleaved, biased, their own gate activation) takes our path:
-Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, Mixtral, gpt-oss, DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5,
-MiniMax-M2, OLMoE and the rest. `apply_moe` keeps each such block as transformers wrote it (its
-router, shared experts, gates, dense first layers) and changes three things in place, each by a
-subclass of the module's own class (as FSDP2 does), so parameter names, checkpoints and hub files
-stay the model's:
+`experts.gate_up_proj` / `experts.down_proj`, marked by `use_experts_implementation`; every MoE
+family of docs/moe.md but the general path's) takes our path. `apply_moe` keeps each such block
+as transformers wrote it (its router, shared experts, gates, dense first layers) and changes three
+things in place, each by a subclass of the module's own class (as FSDP2 does), so parameter names,
+checkpoints and hub files stay the model's:
 
 * the experts (`GroupedExperts`) sort the (token, slot) pairs by expert and run each expert's rows
   with `grouped_mm` on the gathered weights (bf16 under fsdp.param_dtype=bfloat16, never the
-  masters). Group sizes come from `searchsorted` on the device: no host sync, no capacity, no
-  dropped token, and every shape depends only on the number of tokens, so a compiled block sees
-  one graph. Where the kernel cannot run (float32 weights, e.g. the CPU tests; rows not 16-byte
-  aligned), `_per_expert_linear` loops over the experts (a host sync; excluded from compile).
+  masters): no host sync, no capacity, no dropped token, one compiled graph (sft/models/experts.py).
   Under expert parallelism (moe.ep_degree) the sorted rows travel to the rank holding their expert
   and back: sft/parallel/expert_parallel.py;
 * the router (`KeepsRouterLogits`) computes as transformers does and keeps its logits;
 * the block (`SparseMoE`) adds the load-balancing loss's gradient without returning it
   (`_AddAuxLossGrad`) and keeps the step's expert loads for the metrics.
 
-So routing is exactly the reference's: softmax top-k (Qwen, Mixtral), softmax of the top-k logits
-(gpt-oss), sigmoid scores with a correction bias and group-limited top-k (DeepSeek-V3, GLM-4.5),
-sigmoid with a bias (MiniMax-M2). A sparse block of another form (Llama-4's dense experts) takes the
-general path: transformers' block as it is, under FSDP2, with no load-balancing loss or expert
-metrics of ours; the start-up line says which path a model takes.
+Routing is exactly the reference's (softmax, sigmoid with a correction bias, group-limited top-k);
+a sparse block of another form (Llama-4's dense experts) takes the general path: transformers'
+block as it is (docs/moe.md). The start-up line says which path a model takes.
 
 `apply_moe` returns the `MoE` handle the recipe passes to whatever needs the experts: parallelize
-(their FSDP placement; activation checkpointing must not re-route, so the top-k op's outputs are
-saved under every policy: `MoE.kept_ops`), the loss (the load-balancing term's per-step scale and
-per-micro-batch mask), the metrics (expert loads) and the optimizer step (`MoE.step_done`: the
-correction bias of DeepSeek-V3-style routers, moe.bias_update_rate).
+(their FSDP placement; the top-k op's outputs saved under every checkpointing policy), the loss (the
+load-balancing term's scale and mask), the metrics (expert loads) and the optimizer step
+(`MoE.step_done`: the correction bias of DeepSeek-V3-style routers, moe.bias_update_rate).
 
-The load-balancing loss (Switch Transformer, as transformers computes it for these models: a
-softmax of the router logits, also for sigmoid routers) of one layer over a set of tokens is
-E * sum_e f_e * P_e,  f_e = (top-k slots routed to e) / tokens and P_e = mean router probability of
-e; f carries no gradient. Here the set is each micro-batch's *real* tokens (padding excluded,
-documents of a packed row included: a packed row and the same documents padded give the same
-statistics), the layers are averaged, and each micro-batch's value is weighted by its share of the
-step's real tokens, counted over all ranks before the first forward:
-
-    aux = coef * (1/L) * sum_layers sum_micro-batches (T_mb / T_step) * E * sum_e f_e P_e
-
-So the total is invariant to how the same micro-batches fall on ranks and grad-accum steps (FSDP
-sums gradients; no factor of world size), and equals transformers' own term for one micro-batch and
-one MoE layer. The balancing set is what one forward sees, as in transformers: another
-train.micro_batch_size changes it. transformers pools f and P over all layers before the product;
-we balance each layer, as Switch, Megatron and TorchTitan do.
+The load-balancing loss is each layer's Switch term over a micro-batch's real tokens, weighted by
+the micro-batch's share of the step's real tokens (why: docs/moe.md, "Load-balancing loss").
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kep
     """Wrap the blocks ac.ratio picks in non-reentrant activation checkpointing (ac.mode: the whole
     block recomputed, or only its cheap ops); returns the new block list. `always_kept`: ops whose
     outputs are never recomputed (MoE routing: recomputation must reuse the forward's choice);
-    `adapter_widths`: LoRA's (sft/models/lora.py: LoRA.widths), whose matmuls op-level modes redo."""
+    `adapter_widths`: LoRA's (sft/adapters/lora.py: LoRA.widths), whose matmuls op-level modes redo."""
     # Imported here: torch's checkpoint wrapper imports FSDP, which the planner does not need.
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 

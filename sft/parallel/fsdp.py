@@ -15,7 +15,7 @@ from sft.distributed import log0
 from sft.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
-    from sft.models.lora import LoRA
+    from sft.adapters.lora import LoRA
     from sft.models.moe import MoE
 
 

@@ -19,15 +19,15 @@ from torch import nn
 
 from sft.config import ACConfig, FSDPConfig
 from sft.distributed import log0
-from sft.models.float8 import apply_float8
 from sft.parallel.activation_checkpointing import apply_ac
 from sft.parallel.context_parallel import apply_context_parallel
 from sft.parallel.expert_parallel import apply_expert_parallel
+from sft.parallel.float8 import apply_float8
 from sft.parallel.fsdp import apply_fsdp
 from sft.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
-    from sft.models.lora import LoRA
+    from sft.adapters.lora import LoRA
     from sft.models.moe import MoE
 
 

@@ -11,10 +11,11 @@ shapes on the meta device), never its GPU side: FSDP's wrapping, flex attention,
 
 from sft.plan.cli import main
 from sft.plan.memory import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank,
-                             host_gib_per_node, peak_bytes, predict_gib, usable_fraction)
+                             Setting, host_gib_per_node, peak_bytes, predict_gib, usable_fraction)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, MODES, RATIOS, apply_auto_plan, check_fits,
                              explain_out_of_memory, gpu_memory_gib, smallest_cp, suggest)
 
 __all__ = ["AC_SETTINGS", "ALLOCATOR_SLACK", "GIB", "HOST_PROCESS_GIB", "MICRO_BATCHES", "MODES", "RATIOS", "Machine",
-           "Shapes", "apply_auto_plan", "check_fits", "explain_out_of_memory", "gpu_memory_gib", "host_bytes_per_rank",
-           "host_gib_per_node", "main", "peak_bytes", "predict_gib", "smallest_cp", "suggest", "usable_fraction"]
+           "Setting", "Shapes", "apply_auto_plan", "check_fits", "explain_out_of_memory", "gpu_memory_gib",
+           "host_bytes_per_rank", "host_gib_per_node", "main", "peak_bytes", "predict_gib", "smallest_cp", "suggest",
+           "usable_fraction"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from torch import nn
 
 from sft.config import Config, ModelConfig, load_config
+from sft.config import state_bytes
 from sft.models.build import ModelError, build_meta_model
 from sft.parallel.mesh import ParallelDims
 from sft.plan import memory
@@ -17,7 +18,6 @@ from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION,
                              host_gib_per_node, host_problem, predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, nothing_fits, roomier_layout,
                              smallest_cp, suggest, text_of)
-from sft.training.optim import state_bytes
 
 # Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "models"

@@ -11,45 +11,10 @@ everything backward needs, plus one block being recomputed) and the loss buffers
 logits and its gradient, the fp32 lm_head gradient formed in forward). End of backward: all 16 bytes
 per parameter of sharded state, the gathered blocks, one block's unsharded gradients (fp32, or bf16
 with fsdp.reduce_dtype=bfloat16) and one block's activations.
-optim.master_dtype / state_dtype = bfloat16 make the 16 bytes 12 (bf16 moments) or 8 (and bf16
-weights and gradients): sft/training/optim.py:state_bytes. Under expert parallelism (moe.ep_degree)
-a rank gathers only its share of each block's experts, and keeps the rows that arrived for them.
-The activation bytes per token and layer are 2 x (10 h + 4 ffn + 4 kv) in eager mode (bf16
-tensors an RMSNorm/attention/SwiGLU block saves) and 2 x (5 h + 3 ffn + 2 kv) compiled (the fused
-graph recomputes cheap pointwise results instead of saving them); the compiled counts are fitted on
-the measured peaks of Qwen2.5-0.5B, 7B and 14B shapes, whose ffn/h ratios differ (5.4, 5.3, 2.7).
-Mixture-of-experts blocks count as a dense block of the width a token runs through (top-k experts'
-intermediate sizes) plus the dispatch and router buffers (moe_bytes_per_token); their gathered
-weights are all experts' (FSDP gathers whole blocks). Under expert parallelism the experts run
-eagerly, and keep what their activation saves (counted by running it: gpt-oss's clamped SwiGLU
-keeps 7 tensors of the expert's width per routed row, Qwen3's 4). Three measured MoE peaks
-(docs/BENCHMARKS.md, issue #36) are within 10%.
-Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) keep far more in their linear-attention blocks than in
-their attention blocks: each block is counted by its kind, as measured on an H200 (layer_bytes_by_kind;
-docs/BENCHMARKS.md, issue #45), not yet checked against a whole run's peak; op-level checkpointing
-(ac.mode ops, ops_half, attention) is not modelled for Gated DeltaNet blocks, and plan.auto does not
-choose it for them.
-With precision.float8 (full fine-tuning) the inputs of the block's Linear layers (3 h + ffn values) are saved as
-float8, one byte each. A block checkpointed with ac.mode=ops keeps its input and what its
-matmuls and attention produce, all or every second matmul with ops_half, attention's only with
-attention (ops_bytes_per_token; float8 matmuls still produce bf16). docs/BENCHMARKS.md "Memory
-planner" and its issue #24 and #25 sections compare the predictions with 45 measured peaks
-(0.5B-72B widths, with and without offload, float8 and context parallelism). Other architectures
-are estimates: leave a margin.
-
-With LoRA (lora.rank > 0) only the adapters and modules_to_save carry the 16 bytes of state; the
-frozen base is its fsdp.param_dtype weights, sharded, or with lora.base=nf4 the adapted weights in
-NF4 (0.516 bytes a parameter, whole on every GPU, one matrix dequantised at a time); the activations
-add the adapters' inputs and rank-wide outputs. The "LoRA and QLoRA" section of docs/BENCHMARKS.md
-compares 8 measured LoRA and QLoRA peaks (P-7B and 72B) with it: 1-9% below the prediction.
-
-With fsdp.cpu_offload the GPU holds no sharded state (no 12/16 bytes per parameter): only the fp32
-shards of the two blocks in flight (copied in before the bf16 cast for the all-gather, or the
-reduce-scatter output before its copy out). The host of each node holds, per GPU, the fp32 shards
-of the parameters and gradients in pinned memory (PyTorch's pinned allocator rounds each to a power
-of two), both Adam moments (8 bytes per parameter) and the process itself (HOST_PROCESS_GIB):
-about 16 bytes x parameters x GPUs-per-node / shard ranks, plus the rounding and the processes;
-with periodic asynchronous saves, 12 bytes more per parameter shard for the staged copy of the state.
+The state's bytes per parameter: sft/config/state_bytes.py. How activations, mixture-of-experts
+blocks, Gated DeltaNet hybrids, float8, op-level checkpointing, LoRA/QLoRA and fsdp.cpu_offload are
+counted, and which measured peaks each was fitted on or checked against: docs/training.md, "The
+memory model"; docs/BENCHMARKS.md "Memory planner" compares the predictions with measured peaks.
 """
 
 from __future__ import annotations
@@ -62,15 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sft.adapters.lora import apply_lora, nf4_weights
 from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
+from sft.config import STATE_BYTES, StateBytes, state_bytes
 from sft.models.build import decoder_blocks
-from sft.models.packing import cp_unsupported
-from sft.models.lora import apply_lora, nf4_weights
-from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
+from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
+from sft.models.packing import cp_unsupported
 from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token
 from sft.parallel.mesh import ParallelDims
-from sft.training.optim import STATE_BYTES, StateBytes, state_bytes
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05
@@ -131,7 +96,7 @@ class Shapes:
     # width (linear_num_value_heads x linear_value_head_dim)
     delta_blocks: tuple[int, ...] = ()
     delta_value_dim: int = 0
-    # LoRA (sft/models/lora.py): the parameters that train (all, without it), those of one block,
+    # LoRA (sft/adapters/lora.py): the parameters that train (all, without it), those of one block,
     # whether the lm_head trains; QLoRA: the base weights stored in NF4 (in all, in one block: whole
     # on every rank) and the largest of them (dequantised to bf16 one matrix at a time).
     trained_params: int | None = None
@@ -235,60 +200,88 @@ def _largest_block(model: nn.Module) -> nn.Module:
     return max(decoder_blocks(model), key=lambda block: sum(p.numel() for p in block.parameters()))
 
 
-def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_ratio: float, compiled: bool,
-               reshard_after_forward: bool = True, grad_accum: int = 1, cpu_offload: bool = False,
-               float8: bool = False, ac_mode: str = "blocks", cp: int = 1, ep: int = 1,
-               state: StateBytes = STATE_BYTES, reduce_bytes: int = 4, weight_bytes: int = 2) -> float:
-    """Predicted peak allocated bytes on one GPU for `tokens` tokens per micro-batch on that GPU
-    (with context parallelism, its share of the rows). `cp`: cp.degree; each block's attention
-    then also keeps the K/V it all-gathered from the other cp - 1 ranks (bf16) until its backward,
-    and compiled whole checkpointed blocks hold the size of the whole row's (see below). `ep`:
-    moe.ep_degree, each rank gathers only its 1/ep of a block's experts. `state`: the bytes per
-    trained parameter of optim.master_dtype / state_dtype; `reduce_bytes`: fsdp.reduce_dtype's;
-    `weight_bytes`: fsdp.param_dtype's, of the gathered and the frozen weights."""
+@dataclass(frozen=True)
+class Setting:
+    """What a predicted peak depends on besides the model's shapes (Shapes)."""
+    shard_ranks: int
+    """the GPUs each parameter is sharded over"""
+    tokens: int
+    """tokens per micro-batch on this GPU (with context parallelism, its share of the rows)"""
+    supervised: int
+    """of which supervised (the rows of logits a loss chunk holds)"""
+    ac_ratio: float
+    """ac.ratio: the share of blocks checkpointed"""
+    compiled: bool
+    """compile.enabled"""
+    reshard_after_forward: bool = True
+    """fsdp.reshard_after_forward (False: ZeRO-2, every block gathered from its forward to its backward)"""
+    grad_accum: int = 1
+    """micro-batches a step (from the second on, the sharded gradients live through forward)"""
+    cpu_offload: bool = False
+    """fsdp.cpu_offload"""
+    float8: bool = False
+    """whether the blocks' Linear layers keep their inputs in float8 (float8_saves_inputs)"""
+    ac_mode: str = "blocks"
+    """ac.mode"""
+    cp: int = 1
+    """cp.degree: each block's attention also keeps the K/V it all-gathered from the other cp - 1
+    ranks (bf16) until its backward, and compiled whole checkpointed blocks the whole row's"""
+    ep: int = 1
+    """moe.ep_degree: each rank gathers only its 1/ep of a block's experts"""
+    state: StateBytes = STATE_BYTES
+    """the bytes per trained parameter of optim.master_dtype / state_dtype"""
+    reduce_bytes: int = 4
+    """fsdp.reduce_dtype's bytes"""
+    weight_bytes: int = 2
+    """fsdp.param_dtype's bytes, of the gathered and the frozen weights"""
+
+
+def peak_bytes(s: Shapes, run: Setting) -> float:
+    """Predicted peak allocated bytes on one GPU of the model of shapes `s` under `run`."""
     # bf16 blocks gathered at once: the current and the prefetched one, or with
     # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
     # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16 (eager,
     # torchao's dequantisation holds its int64 indices meanwhile: NF4_EAGER_DEQUANT_BYTES a value).
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
-    block_bytes = weight_bytes * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / ep))
-    dequantised = (weight_bytes if compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
-    gathered = (2 if reshard_after_forward else s.layers) * block_bytes + weight_bytes * s.root_params + dequantised
-    if compiled:
+    block_bytes = run.weight_bytes * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / run.ep))
+    dequantised = (run.weight_bytes if run.compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
+    blocks_gathered = 2 if run.reshard_after_forward else s.layers
+    gathered = blocks_gathered * block_bytes + run.weight_bytes * s.root_params + dequantised
+    if run.compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
-    if float8:
+    if run.float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
-    per_token_layer += moe_bytes_per_token(s, ep)
-    if ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
-        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
+    per_token_layer += moe_bytes_per_token(s, run.ep)
+    if run.ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
+        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if run.compiled else 4)) * s.ffn
     # A hybrid's Gated DeltaNet and attention blocks keep different amounts: each block not checkpointed
     # keeps its kind's, the block recomputed the largest of the checkpointed ones' kinds.
     attention_layer, delta_layer = layer_bytes_by_kind(s, per_token_layer)
     layer_bytes = [delta_layer if i in s.delta_blocks else attention_layer for i in range(s.layers)]
-    checkpointed_blocks = set(ac_block_indices(s.layers, ac_ratio))
+    checkpointed_blocks = set(ac_block_indices(s.layers, run.ac_ratio))
     checkpointed = len(checkpointed_blocks)
     # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     gathered_kv = 2 * 2 * s.kv_dim
-    per_token_layer += (cp - 1) * gathered_kv  # the other ranks' share
-    kept = 2 * s.hidden if ac_mode == "blocks" else kept_bytes_per_token(s, compiled, ac_mode)
-    if ac_mode == "blocks" and compiled and cp > 1:
+    per_token_layer += (run.cp - 1) * gathered_kv  # the other ranks' share
+    kept = 2 * s.hidden if run.ac_mode == "blocks" else kept_bytes_per_token(s, run.compiled, run.ac_mode)
+    if run.ac_mode == "blocks" and run.compiled and run.cp > 1:
         # Measured at 128k-token rows (cp 2 and cp 4, docs/BENCHMARKS.md issue #25): compiled
         # whole-block checkpointing peaks 7-8 GiB above its blocks' inputs and one block's
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
         # GPU's share), which ac.mode=attention does not; counted here as kept per block.
-        kept += cp * gathered_kv
+        kept += run.cp * gathered_kv
     kept_whole = sum(b for i, b in enumerate(layer_bytes) if i not in checkpointed_blocks)
-    activations = tokens * (checkpointed * kept + kept_whole)
+    activations = run.tokens * (checkpointed * kept + kept_whole)
     if checkpointed:
         # The block being recomputed: whole, or (ops) the cheap ops' outputs next to what it kept.
         recomputed = max(layer_bytes[i] for i in checkpointed_blocks)
-        activations += tokens * (recomputed if ac_mode == "blocks" else max(0, recomputed - kept))
-    rows = min(supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
+        activations += run.tokens * (recomputed if run.ac_mode == "blocks" else max(0, recomputed - kept))
+    rows = min(run.supervised, max(1, LOGITS_PER_CHUNK // s.vocab))
     # one chunk of float32 logits and its gradient, the lm_head's float32 gradient (when it trains),
     # the hidden states and their gradient
-    loss = 2 * 4 * rows * s.vocab + (4 * s.head_trained + 2) * s.vocab * s.hidden + 2 * 2 * tokens * s.hidden
+    loss = 2 * 4 * rows * s.vocab + (4 * s.head_trained + 2) * s.vocab * s.hidden + 2 * 2 * run.tokens * s.hidden
     # Two candidate peaks: the end of forward (every activation and the loss buffers alive; the
     # sharded gradients only from the second micro-batch of a step on: they are set to None after
     # each step) and the end of backward (all sharded gradients alive, one block's unsharded
@@ -296,18 +289,18 @@ def peak_bytes(s: Shapes, shard_ranks: int, tokens: int, supervised: int, ac_rat
     # With CPU offload the sharded state is on the host; the GPU holds only the fp32 shards of the
     # two blocks in flight (before the bf16 cast of the all-gather; the reduce-scatter output).
     # LoRA: the frozen base in bf16 (sharded) or NF4 (whole), no gradient, no optimizer state.
-    if cpu_offload:
-        state_in_forward = state_in_backward = 2 * state.master * s.block_params / shard_ranks
+    if run.cpu_offload:
+        state_in_forward = state_in_backward = 2 * run.state.master * s.block_params / run.shard_ranks
     else:
-        grads_in_forward = state.grad if grad_accum > 1 else 0
+        grads_in_forward = run.state.grad if run.grad_accum > 1 else 0
         nf4 = NF4_BYTES_PER_PARAMETER * s.nf4_params
-        frozen = weight_bytes * sharded_frozen
-        state_in_forward = ((state.checkpoint + grads_in_forward) * s.trained + frozen) / shard_ranks + nf4
-        state_in_backward = (state.total * s.trained + frozen) / shard_ranks + nf4
+        frozen = run.weight_bytes * sharded_frozen
+        state_in_forward = ((run.state.checkpoint + grads_in_forward) * s.trained + frozen) / run.shard_ranks + nf4
+        state_in_backward = (run.state.total * s.trained + frozen) / run.shard_ranks + nf4
     # in the reduce dtype, for the reduce-scatter
-    unsharded_grads = reduce_bytes * (s.block_trained_params - s.block_trained_expert_params * (1 - 1 / ep))
+    unsharded_grads = run.reduce_bytes * (s.block_trained_params - s.block_trained_expert_params * (1 - 1 / run.ep))
     end_of_forward = state_in_forward + ALLOCATOR_SLACK * (gathered + activations + loss)
-    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + tokens * max(layer_bytes))
+    end_of_backward = state_in_backward + ALLOCATOR_SLACK * (gathered + unsharded_grads + run.tokens * max(layer_bytes))
     return max(end_of_forward, end_of_backward)
 
 
@@ -383,8 +376,9 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     dims = ParallelDims.of(cfg, gpus)  # the degrees of every axis, as the run's mesh will have them
     tokens = micro_batch * -(-cfg.data.max_seq_len // dims.cp)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
-    return peak_bytes(s, dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled,
-                      cfg.fsdp.reshard_after_forward, grad_accum, cfg.fsdp.cpu_offload,
-                      float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep, state_bytes(cfg.optim),
-                      DTYPES[cfg.fsdp.reduce_dtype].itemsize, DTYPES[cfg.fsdp.param_dtype].itemsize) / GIB
+    run = Setting(dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled, cfg.fsdp.reshard_after_forward,
+                  grad_accum, cfg.fsdp.cpu_offload, float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep,
+                  state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize,
+                  DTYPES[cfg.fsdp.param_dtype].itemsize)
+    return peak_bytes(s, run) / GIB
 

@@ -10,8 +10,8 @@ import dataclasses
 import torch
 
 from sft.config import Config, ConfigError
-from sft.errors import UserError, explain
 from sft.config.checks import range_checks
+from sft.errors import UserError, explain
 from sft.models.build import build_meta_model
 from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, recompute_fraction
 from sft.parallel.mesh import ParallelDims

@@ -22,12 +22,12 @@ from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
+from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
 from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
 from sft.parallel.context_parallel import attention_mask, shard_rows
-from sft.config import LOGITS_PER_CHUNK
 from sft.parallel.mesh import ParallelDims
 
 

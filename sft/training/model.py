@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from sft.adapters.lora import LoRA, apply_lora
 from sft.config import DTYPES, Config
 from sft.distributed import log0, rank0_first
 from sft.models.build import (build_meta_model, decoder_blocks, materialize, real_buffers,
                               use_causal_sdpa)
-from sft.models.lora import LoRA, apply_lora
-from sft.models.moe import MoE, apply_moe
 from sft.models.gated_deltanet import use_gated_deltanet_kernels
+from sft.models.moe import MoE, apply_moe
 from sft.models.packing import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
@@ -33,7 +33,7 @@ from sft.training.optim import apply_master_dtype
 class TrainingModel:
     model: PreTrainedModel  # sharded, materialised, its weights not yet loaded
     moe: MoE | None  # the MoE handle (sft/models/moe.py); None for a dense model
-    lora: LoRA | None  # the LoRA handle (sft/models/lora.py); None without LoRA
+    lora: LoRA | None  # the LoRA handle (sft/adapters/lora.py); None without LoRA
 
 
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,37 +18,6 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from sft.config import DTYPES, OptimConfig
 from sft.distributed import local_part
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Bytes per trained parameter of each part of the training state; the planner, the checkpoint
-    size warnings and the host staging all count with these."""
-    master: int = 4
-    """the master weight (float32; bf16 with optim.master_dtype)"""
-    grad: int = 4
-    """its gradient, from backward to the optimizer step (in the master's dtype)"""
-    optimizer: int = 8
-    """AdamW's two moments (float32; bf16 with optim.state_dtype)"""
-
-    @property
-    def checkpoint(self) -> int:
-        """What a checkpoint holds of it: the weight and the optimizer state."""
-        return self.master + self.optimizer
-
-    @property
-    def total(self) -> int:
-        return self.master + self.grad + self.optimizer
-
-
-STATE_BYTES = StateBytes()
-
-
-def state_bytes(cfg: OptimConfig) -> StateBytes:
-    """The state a trained parameter costs under `cfg` (the gradient has the master's dtype: FSDP
-    casts the reduced gradient to it)."""
-    master = DTYPES[cfg.master_dtype].itemsize
-    return StateBytes(master=master, grad=master, optimizer=2 * DTYPES[cfg.state_dtype].itemsize)
 
 
 def apply_master_dtype(model: nn.Module, cfg: OptimConfig) -> None:
@@ -111,10 +79,12 @@ def stochastic_round_(out: torch.Tensor, value: torch.Tensor, key: int, start: i
     out.copy_(torch.where(value.isnan(), value, rounded))
 
 
-def _update(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-            start: int, keys: tuple[int, int, int], decay: float, beta1: float, beta2: float, step_size: float,
+def _update(chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], start: int,
+            keys: tuple[int, int, int], decay: float, beta1: float, beta2: float, step_size: float,
             bias_correction2_sqrt: float, eps: float) -> None:
-    """One AdamW update of flat chunks (elements from `start` of their tensors), in float32."""
+    """One AdamW update of flat chunks (weight, gradient, both moments: elements from `start` of
+    their tensors), in float32."""
+    weight, grad, exp_avg, exp_avg_sq = chunks
     grad = grad.float()
     m = torch.lerp(exp_avg.float(), grad, 1 - beta1)
     v = exp_avg_sq.float() * beta2 + grad * grad * (1 - beta2)
@@ -172,7 +142,7 @@ class LeanAdamW(torch.optim.Optimizer):
                 update = _compiled_update() if self.compiled and tensors[0].is_cuda else _update
                 for start in range(0, tensors[0].numel(), _UPDATE_CHUNK_ELEMENTS):
                     chunk = slice(start, start + _UPDATE_CHUNK_ELEMENTS)
-                    update(*(t[chunk] for t in tensors), start, keys, **scalars)
+                    update(tuple(t[chunk] for t in tensors), start, keys, **scalars)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, seed: int = 0, compiled: bool = False) -> torch.optim.Optimizer:

@@ -21,7 +21,7 @@ import sys
 sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, import fails
 from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
-from sft.models.float8 import precompute_float8_scales, precompute_scales_after_each_step
+from sft.parallel.float8 import precompute_float8_scales, precompute_scales_after_each_step
 from sft.models.build import build_meta_model, decoder_blocks
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
@@ -36,7 +36,7 @@ except ConfigError as e:
     print(e)
 cfg = load_config(sys.argv[1], ["precision.float8=tensorwise", "lora.rank=8"])  # LoRA's float8 matmul is ours
 import torch
-from sft.models.lora import apply_lora
+from sft.adapters.lora import apply_lora
 lora_model = build_meta_model(cfg.model)
 lora = apply_lora(lora_model, decoder_blocks(lora_model), cfg.lora, torch.bfloat16)
 optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
@@ -70,7 +70,7 @@ def test_fused_weight_cast_gives_torchao_bytes(device, monkeypatch):
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
-    from sft.models.float8 import fuse_weight_casts
+    from sft.parallel.float8 import fuse_weight_casts
 
     torch.manual_seed(0)
     shard = torch.randn(96, 80, device=device) * 0.05

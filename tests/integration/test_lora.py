@@ -140,7 +140,7 @@ def test_an_nf4_layer_keeps_no_bf16_weight_for_its_backward(compiled):
     dequantised bf16 weight (compiled, the partitioner would keep one unless it is recomputed)."""
     from torch import nn
 
-    from sft.models.lora import LoRALinear
+    from sft.adapters.lora import LoRALinear
     from sft.models.nf4 import quantized
 
     torch.manual_seed(0)
@@ -296,7 +296,7 @@ def test_nf4_experts_keep_no_bf16_weight_and_match_their_dequantised_weights(com
 
     from sft.config import LoRAConfig, MoEConfig
     from sft.models.build import decoder_blocks
-    from sft.models.lora import apply_lora
+    from sft.adapters.lora import apply_lora
     from sft.models.moe import apply_moe
     from sft.models.nf4 import is_nf4
 
@@ -350,7 +350,7 @@ def _kept_for_backward(mode: str, lora: bool, dynamic: bool = False, attention: 
 
     from sft.config import ACConfig, LoRAConfig, MoEConfig
     from sft.models.build import decoder_blocks
-    from sft.models.lora import apply_lora
+    from sft.adapters.lora import apply_lora
     from sft.models.moe import MoE, apply_moe
     from sft.parallel.activation_checkpointing import apply_ac
 

@@ -21,7 +21,7 @@ def test_the_planner_imports_nothing_of_the_trainer_s_gpu_side():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     loaded = set(ast.literal_eval(proc.stdout.splitlines()[-1]))
     assert "sft.parallel.activation_checkpointing" in loaded and "sft.parallel.mesh" in loaded
-    gpu_side = {"sft.parallel.fsdp", "sft.parallel.parallelize", "sft.models.float8", "sft.models.weights",
+    gpu_side = {"sft.parallel.fsdp", "sft.parallel.parallelize", "sft.parallel.float8", "sft.hub.weights",
                 "sft.training.loss", "sft.parallel.context_parallel", "sft.parallel.expert_parallel", "sft.training.model",
                 "sft.checkpoint.manager", "sft.checkpoint.commit", "sft.checkpoint.staging", "sft.training.metrics",
                 "sft.training.evaluate", "sft.data.batches", "sft.data.prepare"}

@@ -178,8 +178,8 @@ def bad_inputs(tmp_path, demo_data) -> dict[str, tuple[list[str], str]]:
     """case -> (train.py overrides, what its one error line says)."""
     from helpers import FALCON_H1, model_dir, tiny_model_dir, vision_language_model_dir
     from sft.config import ModelConfig
-    from sft.models.hub import write_safetensors
-    from sft.models.weights import RandomWeights
+    from sft.hub.layout import write_safetensors
+    from sft.hub.weights import RandomWeights
 
     good = (demo_data / "train.jsonl").read_text().splitlines(keepends=True)
     files = {
@@ -358,7 +358,7 @@ ROOM_CASES = {
 @pytest.mark.parametrize("case", list(ROOM_CASES))
 def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(tmp_path, monkeypatch, capsys, case):
     """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
-    from sft.training.optim import STATE_BYTES
+    from sft.config import STATE_BYTES
     from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed

@@ -190,8 +190,8 @@ def adapters(tmp_path_factory) -> dict[str, Path]:
 
     from helpers import model_dir
     from sft.config import ModelConfig
-    from sft.models.hub import write_safetensors
-    from sft.models.weights import RandomWeights
+    from sft.hub.layout import write_safetensors
+    from sft.hub.weights import RandomWeights
 
     tmp = tmp_path_factory.mktemp("adapters")
     base = model_dir(tmp)

@@ -52,7 +52,7 @@ def test_conversion_picks_block_linears_aligned_to_16_and_keeps_state_dict(tmp_p
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from sft.models.float8 import apply_float8
+    from sft.parallel.float8 import apply_float8
 
     cfg = ModelConfig(name_or_path=str(model_dir(tmp_path, tied=False, intermediate_size=200)))
     plain, model = build_meta_model(cfg), build_meta_model(cfg)
@@ -78,7 +78,7 @@ def test_rowwise_uses_rowwise_scaling_and_no_float8_all_gather():
     pytest.importorskip("torchao")
     from torchao.float8 import ScalingGranularity
 
-    from sft.models.float8 import float8_linear_config
+    from sft.parallel.float8 import float8_linear_config
 
     tensorwise, rowwise = float8_linear_config("tensorwise"), float8_linear_config("rowwise")
     assert tensorwise.enable_fsdp_float8_all_gather
@@ -106,7 +106,7 @@ def test_lora_base_matmul_in_float8_is_the_round_trip_matmul_without_weight_grad
         pytest.skip("no GPU here (run it on one: the GPU's float8 matmul is another kernel)")
     if device == "cpu" and recipe == "rowwise" and torch.__version__ < "2.13":
         pytest.skip("before torch 2.13 the CPU's float8 matmul takes one scale per tensor only")
-    from sft.models.float8 import frozen_float8_linear
+    from sft.parallel.float8 import frozen_float8_linear
 
     torch.manual_seed(0)
     x = (torch.randn(2, 16, 64) * torch.logspace(-4, 2, 16).view(1, 16, 1)).bfloat16().to(device).requires_grad_()
@@ -138,8 +138,8 @@ def test_with_lora_only_the_adapted_layers_base_matmuls_turn_float8(capsys):
     converts nothing else: the adapters and the frozen Linears without one stay bf16 Linears (the
     log names them), and torchao is not needed."""
     from sft.config import LoRAConfig
-    from sft.models.float8 import apply_float8, frozen_float8_linear
-    from sft.models.lora import LoRALinear, apply_lora
+    from sft.parallel.float8 import apply_float8, frozen_float8_linear
+    from sft.adapters.lora import LoRALinear, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     blocks = decoder_blocks(model)

@@ -1,4 +1,4 @@
-"""The hub's file layout (sft/models/hub.py): checkpoints as transformers saves them (`save_pretrained`,
+"""The hub's file layout (sft/hub/layout.py): checkpoints as transformers saves them (`save_pretrained`,
 the layout they are published in) load into the model, whole or any slice, and an export writes what
 `save_pretrained` writes. The families of the table store tensors otherwise than the model holds them."""
 
@@ -17,8 +17,8 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from helpers import VISION_LANGUAGE, tiny_config, vision_language_model_dir
 from sft.config import ModelConfig
 from sft.models.build import build_meta_model
-from sft.models.hub import to_hub_tensors
-from sft.models.weights import SafetensorsWeights
+from sft.hub.layout import to_hub_tensors
+from sft.hub.weights import SafetensorsWeights
 
 # (family, config overrides, a tensor of its files that the model names otherwise)
 LAYOUTS = [
@@ -166,9 +166,9 @@ def test_a_load_opens_each_file_a_few_times_however_many_tensors_it_holds(tmp_pa
     in two files: the load opens each file a bounded number of times (safe_open parses the file's whole
     header at every open: per tensor, that was minutes for a published MoE checkpoint), and reads what
     transformers reads."""
-    from sft.models import weights as weights_module
+    from sft.hub import weights as weights_module
     from sft.models.build import materialize, real_buffers
-    from sft.models.weights import load_weights
+    from sft.hub.weights import load_weights
 
     config = tiny_config("qwen3_moe", num_experts=512, num_local_experts=512, moe_intermediate_size=8, num_hidden_layers=2)
     torch.manual_seed(0)

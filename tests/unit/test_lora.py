@@ -23,7 +23,7 @@ BAD_TARGETS = {
 def test_names_that_match_nothing_are_one_error_listing_what_there_is(key, value):
     from sft.config import LoRAConfig, ModelConfig
     from sft.models.build import build_meta_model, decoder_blocks
-    from sft.models.lora import LoRAError, apply_lora
+    from sft.adapters.lora import LoRAError, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     with pytest.raises(LoRAError) as err:
@@ -34,7 +34,7 @@ def test_names_that_match_nothing_are_one_error_listing_what_there_is(key, value
 def test_only_the_adapters_and_the_modules_to_save_train_and_the_names_stay():
     from sft.config import LoRAConfig, ModelConfig
     from sft.models.build import build_meta_model, decoder_blocks
-    from sft.models.lora import LoRALinear, apply_lora
+    from sft.adapters.lora import LoRALinear, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     names = [name for name, _ in model.named_parameters()]
@@ -74,8 +74,8 @@ def test_adapters_in_peft_format_load_with_peft_as_the_merged_model(tmp_path, mo
     from helpers import saved_model_dir
     from sft.config import LoRAConfig
     from sft.models.build import decoder_blocks
-    from sft.models.lora import apply_lora
-    from sft.models.peft_format import in_model, merged, read_adapter, unmatched, write_adapter
+    from sft.adapters.lora import apply_lora
+    from sft.adapters.peft_format import in_model, merged, read_adapter, unmatched, write_adapter
     from zoo import OVERRIDES
 
     assert len(MOE_FAMILIES) >= 50
@@ -130,7 +130,7 @@ def test_experts_name_routed_experts_only_where_there_are_some():
 
     from sft.config import LoRAConfig
     from sft.models.build import decoder_blocks
-    from sft.models.lora import LoRAError, apply_lora
+    from sft.adapters.lora import LoRAError, apply_lora
 
     with torch.device("meta"):
         dense = AutoModelForCausalLM.from_config(tiny_config("qwen3"))
@@ -159,7 +159,7 @@ def test_expert_adapters_run_grouped_gemms_and_equal_each_experts_own_matmuls(ra
     """bf16 rows through ExpertLoRA take the grouped GEMM (a rank not a multiple of 8 padded with
     zeros for its 16-byte rows) and equal s B_e A_e x expert by expert, forward and gradients."""
     from sft.models.experts import _grouped_mm_runs
-    from sft.models.lora import ExpertLoRA
+    from sft.adapters.lora import ExpertLoRA
 
     torch.manual_seed(0)
     experts, fan_in, fan_out = 4, 64, 32
@@ -196,7 +196,7 @@ def test_a_fused_expert_weight_reads_whole_from_the_hubs_per_expert_tensors(tmp_
     from helpers import saved_model_dir
     from transformers import AutoModelForCausalLM
 
-    from sft.models.weights import SafetensorsWeights
+    from sft.hub.weights import SafetensorsWeights
 
     base = saved_model_dir(tmp_path, "qwen3_moe")
     model = AutoModelForCausalLM.from_pretrained(base)

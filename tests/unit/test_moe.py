@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, hf_moe_model, moe_model_dir
 from sft.config import ACConfig, MoEConfig, ModelConfig
-from sft.models.weights import SafetensorsWeights
+from sft.hub.weights import SafetensorsWeights
 from sft.models.build import build_meta_model, decoder_blocks
 from sft.models.experts import _per_expert_linear, grouped_linear
 from sft.models.moe import apply_moe
@@ -74,7 +74,7 @@ def test_expert_weights_load_from_the_hub_layout(tmp_path, arch, overrides, expe
     """A checkpoint saved by transformers (one tensor per expert; Mixtral's under block_sparse_moe) is
     read into the fused parameters, any slice of experts and rows (what a rank's shard asks for),
     with the shapes checked first; export's renaming gives back the names transformers wrote."""
-    from sft.models.hub import to_hub_tensors
+    from sft.hub.layout import to_hub_tensors
 
     directory = moe_model_dir(tmp_path, **overrides)
     model = hf_moe_model(directory)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helpers import DEMO_MODEL
-from sft.config import ModelConfig, OptimConfig
+from sft.config import ModelConfig, OptimConfig, state_bytes
 from sft.models.build import build_meta_model
-from sft.training.optim import (LeanAdamW, build_optimizer, build_scheduler, rounding_noise, state_bytes,
+from sft.training.optim import (LeanAdamW, build_optimizer, build_scheduler, rounding_noise,
                                 stochastic_round_)
 
 
@@ -140,8 +140,8 @@ def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype, state_dtype):
     weight = host[0].clone()
     scalars = dict(start=offset, keys=(3_000_000_011, 2**31 + 5, 123_456_789), decay=1 - 1e-4, beta1=0.9, beta2=0.95,
                    step_size=1e-3, bias_correction2_sqrt=0.3, eps=1e-8)
-    _update(*(t[offset:] for t in host), **scalars)
-    _compiled_update()(*(t[offset:] for t in gpu), **scalars)
+    _update(tuple(t[offset:] for t in host), **scalars)
+    _compiled_update()(tuple(t[offset:] for t in gpu), **scalars)
     for a, b in ((host[i], gpu[i].cpu()) for i in (0, 2, 3)):  # weight, exp_avg, exp_avg_sq
         assert torch.equal(a[:offset], b[:offset])  # outside the chunk: untouched on both
         if a.dtype == torch.bfloat16:
@@ -155,7 +155,7 @@ def test_compiled_update_on_gpu_is_the_eager_one(weight_dtype, state_dtype):
     for _ in range(2):
         scalars.update(keys=tuple(k + 1 for k in scalars["keys"]), step_size=scalars["step_size"] * 0.9,
                        bias_correction2_sqrt=scalars["bias_correction2_sqrt"] + 0.1)
-        _compiled_update()(*(t[offset:] for t in gpu), **scalars)
+        _compiled_update()(tuple(t[offset:] for t in gpu), **scalars)
     assert counters["stats"]["unique_graphs"] == graphs
     assert all(t.isfinite().all() for t in gpu)
 

@@ -18,7 +18,7 @@ from sft.config import ModelConfig
 from sft.data.batches import pack_best_fit
 from sft.training.loss import attach_sft_loss, loss_inputs
 from sft.models.build import build_meta_model, materialize, real_buffers
-from sft.models.weights import initial_weights, load_weights
+from sft.hub.weights import initial_weights, load_weights
 
 
 @pytest.fixture(scope="module")

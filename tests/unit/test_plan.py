@@ -11,7 +11,8 @@ from sft.models.build import build_meta_model
 from sft.models.nf4 import NF4_BYTES_PER_PARAMETER
 from sft.plan import main as plan_main
 from sft.parallel.activation_checkpointing import AC_MODES, kept_bytes_per_token, recompute_fraction
-from sft.plan import ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Shapes, host_bytes_per_rank, peak_bytes, suggest
+from sft.plan import (ALLOCATOR_SLACK, GIB, HOST_PROCESS_GIB, Machine, Setting, Shapes, host_bytes_per_rank, peak_bytes,
+                      suggest)
 
 
 # Peaks measured (torch.cuda.max_memory_allocated) on H200s (docs/BENCHMARKS.md "Memory planner") and
@@ -100,15 +101,15 @@ def qwen7b(shapes) -> Shapes:
 @pytest.mark.parametrize("case", MEASURED, ids=lambda c: "-".join(map(str, c)))
 def test_prediction_within_ten_percent_of_the_measured_peak(shapes, case):
     model, gpus, tokens, ratio, compiled, reshard, grad_accum, offload, float8, ac_mode, cp = case
-    predicted = peak_bytes(shapes[model], gpus, tokens, tokens // 2, ratio, compiled, reshard, grad_accum,
-                           offload, float8, ac_mode, cp) / GIB
+    predicted = peak_bytes(shapes[model], Setting(gpus, tokens, tokens // 2, ratio, compiled, reshard, grad_accum,
+                                                 offload, float8, ac_mode, cp)) / GIB
     assert predicted == pytest.approx(MEASURED[case], rel=0.10)
 
 
 def test_more_checkpointing_and_more_gpus_need_less_memory(qwen7b):
-    by_ratio = [peak_bytes(qwen7b, 8, 8192, 4096, r, True) for r in (0, 0.25, 0.5, 0.75, 1)]
+    by_ratio = [peak_bytes(qwen7b, Setting(8, 8192, 4096, r, True)) for r in (0, 0.25, 0.5, 0.75, 1)]
     assert by_ratio == sorted(by_ratio, reverse=True)
-    assert peak_bytes(qwen7b, 64, 8192, 4096, 1, True) < peak_bytes(qwen7b, 8, 8192, 4096, 1, True)
+    assert peak_bytes(qwen7b, Setting(64, 8192, 4096, 1, True)) < peak_bytes(qwen7b, Setting(8, 8192, 4096, 1, True))
 
 
 # Bytes per token and checkpointed block that op-level checkpointing keeps, Qwen2.5-7B shapes
@@ -149,13 +150,13 @@ def test_op_level_bytes_per_token_from_the_block_shapes(qwen7b, mode, compiled):
 
 def test_op_level_checkpointing_sits_between_whole_blocks_and_none(qwen7b):
     for ratio in (0.25, 0.5, 1):
-        blocks, half, ops = (peak_bytes(qwen7b, 8, 8192, 4096, ratio, True, ac_mode=mode)
+        blocks, half, ops = (peak_bytes(qwen7b, Setting(8, 8192, 4096, ratio, True, ac_mode=mode))
                              for mode in ("blocks", "ops_half", "ops"))
-        assert blocks < half < ops < peak_bytes(qwen7b, 8, 8192, 4096, 0.0, True)
+        assert blocks < half < ops < peak_bytes(qwen7b, Setting(8, 8192, 4096, 0.0, True))
     # 28 blocks x 8192 tokens x what each keeps beyond its input; the block being recomputed brings
     # back only its cheap ops' outputs, not a whole block.
-    extra = (peak_bytes(qwen7b, 8, 8192, 4096, 1, True, ac_mode="ops")
-             - peak_bytes(qwen7b, 8, 8192, 4096, 1, True)) / ALLOCATOR_SLACK
+    extra = (peak_bytes(qwen7b, Setting(8, 8192, 4096, 1, True, ac_mode="ops"))
+             - peak_bytes(qwen7b, Setting(8, 8192, 4096, 1, True))) / ALLOCATOR_SLACK
     kept = OPS_BYTES_7B["ops", True]
     assert extra == pytest.approx(28 * 8192 * (kept - 2 * 3584) + 8192 * (151552 - kept) - 8192 * 151552)
 
@@ -279,19 +280,19 @@ def test_offload_predictions_match_the_measured_run(shapes):
     # Qwen2.5-0.5B, 1 x H100, 2 x 4096 tokens, ac 0, compiled (docs/BENCHMARKS.md "With fsdp.cpu_offload"):
     # GPU peak 11.34 GiB; host in use at the end 12.7 GiB more than before the start.
     s = shapes["qwen2.5-0.5b"]
-    assert peak_bytes(s, 1, 8192, 4096, 0.0, True, cpu_offload=True) / GIB == pytest.approx(11.34, rel=0.10)
+    assert peak_bytes(s, Setting(1, 8192, 4096, 0.0, True, cpu_offload=True)) / GIB == pytest.approx(11.34, rel=0.10)
     assert host_bytes_per_rank(s, 1) / GIB == pytest.approx(12.7, rel=0.10)
 
 
 def test_offload_drops_the_sharded_state_from_the_gpu(qwen7b):
     # P-7B at ac 0: the end of forward is the peak either way, and offload replaces the 12 bytes
     # per parameter of sharded state by two blocks' fp32 shards in flight.
-    resident = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True)
-    offloaded = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, cpu_offload=True)
+    resident = peak_bytes(qwen7b, Setting(4, 8192, 4096, 0.0, True))
+    offloaded = peak_bytes(qwen7b, Setting(4, 8192, 4096, 0.0, True, cpu_offload=True))
     assert resident - offloaded == pytest.approx((12 * qwen7b.params - 8 * qwen7b.block_params) / 4)
     assert (resident - offloaded) / GIB == pytest.approx(20.9, abs=0.1)
     # Gradients accumulate on the host: grad-acc costs the GPU nothing.
-    assert peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, grad_accum=4, cpu_offload=True) == offloaded
+    assert peak_bytes(qwen7b, Setting(4, 8192, 4096, 0.0, True, grad_accum=4, cpu_offload=True)) == offloaded
 
 
 def test_host_bytes_are_pinned_params_and_grads_rounded_up_plus_adam_moments():
@@ -354,8 +355,8 @@ def test_a_fit_leaves_headroom_for_what_the_allocator_cannot_use(shapes):
     (1.5 GiB outside PyTorch, 10.5 GiB reserved but unallocated) although its predicted peak was
     below the card's memory; ac 0.75 trained (docs/BENCHMARKS.md)."""
     h200 = Machine.of(4, 140.4, 1000, 4)
-    oom = peak_bytes(shapes["qwen2.5-14b"], 4, 32768, 16384, 0.5, True, cpu_offload=True) / GIB
-    trained = peak_bytes(shapes["qwen2.5-14b"], 4, 32768, 16384, 0.75, True, cpu_offload=True) / GIB
+    oom = peak_bytes(shapes["qwen2.5-14b"], Setting(4, 32768, 16384, 0.5, True, cpu_offload=True)) / GIB
+    trained = peak_bytes(shapes["qwen2.5-14b"], Setting(4, 32768, 16384, 0.75, True, cpu_offload=True)) / GIB
     assert trained < oom < 140.4
     assert h200.fits(trained) and not h200.fits(oom)
 
@@ -363,7 +364,7 @@ def test_a_fit_leaves_headroom_for_what_the_allocator_cannot_use(shapes):
 def test_rowwise_float8_is_over_predicted_on_the_safe_side(qwen7b):
     """The planner counts float8 Linear inputs in one byte for both recipes; rowwise measured lower
     still (P-7B 52.4 GiB against tensorwise's 57.3): over-predicted, the safe side (+8.9%)."""
-    predicted = peak_bytes(qwen7b, 4, 8192, 4096, 0.0, True, float8=True) / GIB
+    predicted = peak_bytes(qwen7b, Setting(4, 8192, 4096, 0.0, True, float8=True)) / GIB
     assert 52.4 < predicted <= 52.4 * 1.10
 
 
@@ -423,11 +424,11 @@ def test_lora_shapes_count_the_adapters_and_the_nf4_base():
     assert (qlora.nf4_params, qlora.block_nf4, lora.nf4_params) == (28 * block_linears, block_linears, 0)
     assert qlora.largest_nf4 == 18944 * 3584
     # The NF4 base is whole on every GPU: a second GPU halves the rest, not the NF4 bytes.
-    one, two = (peak_bytes(qlora, n, 4096, 2048, 1.0, True) for n in (1, 2))
+    one, two = (peak_bytes(qlora, Setting(n, 4096, 2048, 1.0, True)) for n in (1, 2))
     nf4 = 28 * block_linears * NF4_BYTES_PER_PARAMETER
     assert nf4 / GIB == pytest.approx(3.14, abs=0.01)  # 6.53B x 0.516 bytes
-    assert ALLOCATOR_SLACK * nf4 < two < one < peak_bytes(lora, 1, 4096, 2048, 1.0, True)
-    assert peak_bytes(lora, 1, 4096, 2048, 1.0, True) < peak_bytes(full, 1, 4096, 2048, 1.0, True) / 4
+    assert ALLOCATOR_SLACK * nf4 < two < one < peak_bytes(lora, Setting(1, 4096, 2048, 1.0, True))
+    assert peak_bytes(lora, Setting(1, 4096, 2048, 1.0, True)) < peak_bytes(full, Setting(1, 4096, 2048, 1.0, True)) / 4
 
 
 @pytest.mark.parametrize("base, ratio, mode, measured", [("bfloat16", 0.5, "ops", 111.4), ("nf4", 0.75, "ops", 63.5),
@@ -538,7 +539,7 @@ def test_expert_parallelism_gathers_a_share_of_the_experts():
     """ep 2 on 2 GPUs: each gathers half of a block's experts (bf16) and keeps the arrived rows."""
     s = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models/qwen3-30b-a3b"))))
     assert s.block_experts == 128 * 3 * 2048 * 768
-    one, two = (peak_bytes(s, 2, 8192, 4096, 1.0, True, ep=ep) for ep in (1, 2))
+    one, two = (peak_bytes(s, Setting(2, 8192, 4096, 1.0, True, ep=ep)) for ep in (1, 2))
     assert 0 < (one - two) / ALLOCATOR_SLACK < 2 * 2 * s.block_experts * 1.5  # the gathered experts, less the arrived rows
 
 
@@ -566,13 +567,13 @@ MOE_MEASURED = {
 @pytest.mark.parametrize("case", MOE_MEASURED, ids=lambda c: "-".join(map(str, c)))
 def test_moe_prediction_within_ten_percent_of_the_measured_peak(case):
     from sft.config import OptimConfig
-    from sft.training.optim import state_bytes
+    from sft.config import state_bytes
 
     model, ratio, mode = case
     s = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(REPO / "configs/models" / model),
                                                attn_implementation="flex_attention")))
     lean = state_bytes(OptimConfig(state_dtype="bfloat16", master_dtype="bfloat16"))
-    predicted = peak_bytes(s, 2, 8192, 4096, ratio, True, ac_mode=mode, ep=2, state=lean, reduce_bytes=2) / GIB
+    predicted = peak_bytes(s, Setting(2, 8192, 4096, ratio, True, ac_mode=mode, ep=2, state=lean, reduce_bytes=2)) / GIB
     assert predicted == pytest.approx(MOE_MEASURED[case], rel=0.10)
 
 
@@ -665,7 +666,7 @@ def test_a_hybrid_s_checkpointed_blocks_are_counted_by_their_kind(tmp_path):
                 + max(kinds[i] for i in checkpointed))
 
     # both at their end of forward: the difference is the activations'
-    predicted = (peak_bytes(s, 2, tokens, 4096, 0.5, True) - peak_bytes(s, 2, tokens, 4096, 0.75, True)) / GIB
+    predicted = (peak_bytes(s, Setting(2, tokens, 4096, 0.5, True)) - peak_bytes(s, Setting(2, tokens, 4096, 0.75, True))) / GIB
     assert predicted == pytest.approx(ALLOCATOR_SLACK * tokens * (activations(0.5) - activations(0.75)) / GIB, rel=1e-6)
     mean = (24 * delta + 8 * attention) / 32  # what counting the mean of the kinds would have predicted
     assert predicted != pytest.approx(ALLOCATOR_SLACK * tokens * 8 * (mean - 2 * s.hidden) / GIB, rel=1e-3)

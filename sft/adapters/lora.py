@@ -7,7 +7,7 @@ training starts from the base model exactly. Everything else is frozen too, but 
 (e.g. the embeddings and lm_head, for new tokens), which train in full.
 
 * Storage: a frozen parameter is kept in the compute dtype (fsdp.param_dtype: no float32 master
-  copy), gets no gradient, no optimizer state and no place in the checkpoints (`checkpointed_parameters`);
+  copy), gets no gradient, no optimizer state and no place in the checkpoints (`LoRA.checkpointed`);
   the base is read again from the model's files when a run resumes. The adapters and the modules
   to save keep float32 masters and AdamW moments, like full fine-tuning.
 * Names: a `LoRALinear` takes the Linear's place and keeps its `weight` and `bias` under their own
@@ -18,7 +18,7 @@ training starts from the base model exactly. Everything else is frozen too, but 
   `ExpertLoRA` beside it (`experts.gate_up_proj_lora.lora_A` [E, r, in], `.lora_B` [E, out, r]),
   run on the rows sorted by expert through grouped GEMMs as the weight is (sft/models/experts.py):
   the low-rank path costs 2 r (in + out) a row, and no merged weight is ever formed. PEFT's format
-  for these (target_parameters) is written and read by sft/models/peft_format.py.
+  for these (target_parameters) is written and read by sft/adapters/peft_format.py.
 * FSDP2 shards frozen and trainable parameters of a block in one unit; only the adapters' gradients
   are reduce-scattered. QLoRA's NF4 weights are the exception: every rank holds them whole
   (`nf4_parameters`).
@@ -37,8 +37,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sft.config import LoRAConfig
-from sft.distributed import local_part
+from sft.distributed import local_part, local_slice
 from sft.errors import UserError
+from sft.hub.layout import is_adapter
 from sft.models.build import clean_name
 from sft.models.experts import EXPERT_WEIGHTS, grouped_linear
 from sft.models.moe import general_path_blocks, routed_experts
@@ -65,7 +66,7 @@ class LoRALinear(nn.Module):
         self.scaling = scaling
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         # x -> x W^T for the frozen base, when not F.linear's: precision.float8 sets its float8 matmul
-        # (sft/models/float8.py, which the planner, importing this module, does not need)
+        # (sft/parallel/float8.py, which the planner, importing this module, does not need)
         self.base_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,18 +127,13 @@ def initial_adapter(name: str, shape: tuple[int, ...], seed: int, device: torch.
     return torch.empty(shape, device=device).uniform_(-bound, bound, generator=generator)
 
 
-def checkpointed_parameters(model: nn.Module, lora: LoRA | None) -> dict[str, nn.Parameter]:
-    """The parameters a checkpoint holds, by the name the state dict gives them (without the
-    activation checkpointing wrapper's prefix): all of them, or with LoRA those that train (the
-    frozen base is read again from its source)."""
-    return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad or not lora}
 
 
 @dataclass
 class LoRA:
     """What apply_lora did (None without LoRA), handed to every room that must know: the adapted
     layers (float8 runs their frozen base matmuls), the base weights FSDP leaves whole (QLoRA's NF4),
-    what a checkpoint holds (`checkpointed_parameters`) and what the log says (`summary`)."""
+    what a checkpoint holds (`checkpointed`) and what the log says (`summary`)."""
 
     cfg: LoRAConfig
     layers: list[LoRALinear]
@@ -152,6 +148,21 @@ class LoRA:
         that width (eager attention's scores at a head_dim equal to the rank, a router with as many
         experts) is then recomputed too: correct, a little more work."""
         return frozenset((self.cfg.rank, *([grouped_rank(self.cfg.rank)] if self.experts else [])))
+
+    def initialise_adapters(self, model: nn.Module, seed: int, device: torch.device) -> None:
+        """Every adapter of `model` (sharded or not) to its initial value (`initial_adapter`), after
+        the base weights were loaded: no model file or prepared-model cache holds them."""
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if is_adapter(clean_name(name)):
+                    index, local = local_slice(param)
+                    local.copy_(initial_adapter(clean_name(name), tuple(param.shape), seed, device)[index])
+
+    def checkpointed(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters a checkpoint holds, by the name the state dict gives them (without the
+        activation checkpointing wrapper's prefix): those that train (the frozen base is read again
+        from its source)."""
+        return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad}
 
     def nf4_parameters(self) -> set[nn.Parameter]:
         """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a
@@ -244,7 +255,7 @@ def apply_lora(model: nn.Module, blocks: list[nn.Module], cfg: LoRAConfig, froze
 
 def _quantize_targets(model: nn.Module, experts: list[nn.Module]) -> list[str]:
     """QLoRA: the adapted layers' and experts' frozen weights as NF4 tensors (still on the meta
-    device: each rank quantises the whole weight as it loads, sft/models/weights.py); return the
+    device: each rank quantises the whole weight as it loads, sft/hub/weights.py); return the
     names of those whose weights do not split into NF4 groups, which stay in the compute dtype."""
     kept = set()
     for name, module in model.named_modules():

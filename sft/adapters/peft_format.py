@@ -11,7 +11,7 @@ wrapper per fused weight of the experts module, nested in the order the module d
 (the innermost first, `experts.base_layer.lora_A.weight` for gate_up_proj, `experts.lora_A.weight`
 for down_proj); lora_A [E r, in] holds expert e's A in rows e r ... (e + 1) r - 1, and lora_B
 [out, r E] expert e's B in columns e, E + e, ... (rank-major). Ours are [E, r, in] and [E, out, r]
-(sft/models/lora.py: ExpertLoRA). PEFT's wrapper has no dropout: the exported config says 0, as
+(sft/adapters/lora.py: ExpertLoRA). PEFT's wrapper has no dropout: the exported config says 0, as
 inference (inference_mode) does anyway (so does PEFT's wrapper of a Linear weight, below).
 
 PEFT on transformers 5 reads the Linear names `gate_proj`, `up_proj`, `down_proj` (`w1`-`w3` for
@@ -34,17 +34,13 @@ from safetensors.torch import load_file, save_file
 
 from sft.config import LoRAConfig
 from sft.errors import UserError
+from sft.hub.layout import is_adapter, renamer
 from sft.models.experts import EXPERT_WEIGHTS
-from sft.models.hub import renamer
 
 CONFIG_FILE = "adapter_config.json"
-BASE_WEIGHTS = "sft_base_weights"  # adapter_config.json: the fingerprint of the base's weights (sft.models.weights)
+BASE_WEIGHTS = "sft_base_weights"  # adapter_config.json: the fingerprint of the base's weights (sft.hub.weights)
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-
-
-def is_adapter(name: str) -> bool:
-    return ".lora_A" in name or ".lora_B" in name
 
 
 # An expert adapter's parameter, by model name: (experts module).(fused weight)_lora.lora_(A|B)

@@ -1,6 +1,6 @@
 """The Hugging Face hub's file layout: how a model's tensors sit in the safetensors files that
 transformers saves and checkpoints are published in, and those files written as transformers
-writes them. Loading (sft/models/weights.py) reads through here and export (sft/export.py) writes
+writes them. Loading (sft/hub/weights.py) reads through here and export (sft/export.py) writes
 through here.
 
 transformers' own conversion mapping (transformers/conversion_mapping.py, what `from_pretrained`
@@ -31,6 +31,12 @@ from torch import nn
 
 # The largest safetensors shard written (Hugging Face's own default size).
 MAX_SHARD_BYTES = 5 * 2**30
+
+
+def is_adapter(name: str) -> bool:
+    """Whether tensor `name` is a LoRA adapter's (lora_A/lora_B, as PEFT names them), which no base
+    checkpoint holds."""
+    return ".lora_A" in name or ".lora_B" in name
 
 
 def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: Path,

@@ -38,7 +38,7 @@ from sft.distributed import log0
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
 
-    from sft.models.lora import LoRA
+    from sft.adapters.lora import LoRA
 
 # float8 GEMMs (torch._scaled_mm) need both dimensions of the weight to be multiples of 16.
 _ALIGNMENT = 16
@@ -182,7 +182,7 @@ def fuse_weight_casts() -> None:
     torchao_pre_all_gather, cast = Weight.fsdp_pre_all_gather, torch.compile(scale_to_float8, dynamic=True)
     # FSDP2 calls the method by its signature; torchao 0.18's takes the mesh only.
     assert list(inspect.signature(torchao_pre_all_gather).parameters) == ["self", "mesh"], \
-        "torchao's fsdp_pre_all_gather changed: sft/models/float8.py:fuse_weight_casts must follow it"
+        "torchao's fsdp_pre_all_gather changed: sft/parallel/float8.py:fuse_weight_casts must follow it"
 
     def fsdp_pre_all_gather(self, mesh):
         scale = self._precomputed_scale

@@ -3,7 +3,7 @@ holds a full copy of the weights.
 
 * pretrained: straight from the safetensors files (`safe_open(...).get_slice`), so each rank reads
   1/world of the checkpoint and no collective is needed; tensors the files hold otherwise than the
-  model (one per expert, renamed, q/k/v apart) converted as transformers converts them (sft/models/hub.py);
+  model (one per expert, renamed, q/k/v apart) converted as transformers converts them (sft/hub/layout.py);
 * random: each parameter-holding module is initialised in full on the device by the
   architecture's own `_init_weights`, seeded by its name, one module at a time; the rank keeps its
   slice. The values are independent of the number of ranks.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import zlib
 from collections.abc import Callable, Iterator
@@ -26,17 +25,15 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from sft.config import ModelConfig
-from sft.distributed import rank0_first
-from sft.models import hub
+from sft.distributed import local_slice, rank0_first
+from sft.hub.layout import FileLayout, is_adapter, quantized_experts_problem
+from sft.hub.vision_language import KEPT, checkpoint_class, file_names, kept_names
 from sft.models.build import (ModelError, build_meta_model, clean_name, decoder, missing_local_dir, model_config,
                               persistent_buffers, real_buffers)
-from sft.models.lora import initial_adapter
 from sft.models.nf4 import full_shape, is_nf4, quantized
-from sft.models.peft_format import is_adapter
-from sft.models.vision_language import KEPT, checkpoint_class, file_names, is_vision_language, kept_names
+from sft.models.vision_language import is_vision_language
 
 
 # Within SafetensorsWeights.reading, a file is closed (and opened again when next read) after an eighth of
@@ -44,8 +41,6 @@ from sft.models.vision_language import KEPT, checkpoint_class, file_names, is_vi
 # pages this rank touched, so host memory holds at most that much of the files beyond the rank's own
 # shards; each open parses the file's header again (a reopen every 64 MiB made a 22 GB load 1.5x slower).
 REOPEN_AFTER_BYTES = 512 * 2**20
-# The fingerprint of a base's weights (SafetensorsWeights.digest); "sha256:" before it was of the files
-WEIGHTS_DIGEST = "weights-sha256:"
 
 
 class SafetensorsWeights:
@@ -81,33 +76,13 @@ class SafetensorsWeights:
         self.names = file_names(self.file_shapes, decoder(model)[0], tuple(model.get_input_embeddings().weight.shape))
 
     @functools.cached_property
-    def layout(self) -> hub.FileLayout:
+    def layout(self) -> FileLayout:
         """The files' tensors by the model's names, as transformers converts them (renamed, experts
-        fused, q/k/v concatenated...: sft/models/hub.py); not needed for a digest."""
+        fused, q/k/v concatenated...: sft/hub/layout.py); not needed for a digest."""
         in_model = {self.names.in_model(name): shape for name, shape in self.file_shapes.items()}
         in_model.pop(None, None)
         buffers = {name: tuple(b.shape) for name, b in persistent_buffers(self.model).items()}
-        return hub.FileLayout(self.model, {**self.shapes, **buffers}, in_model, checkpoint_class(self.root))
-
-    def digest(self) -> str:
-        """A fingerprint of the weights, cheap at any size: every tensor's name, dtype and shape and
-        128 bytes from its middle, by name. Weights trained or replaced differ there in every tensor
-        that changed; a copy, a move or another sharding of the same weights does not change it."""
-        samples = []
-        for file in sorted(set(self.weight_map.values())):  # each file opened once, read front to back
-            with (self.root / file).open("rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-                data = f.tell()
-                header.pop("__metadata__", None)
-                for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
-                    begin, end = info["data_offsets"]
-                    middle = (begin + end) // 2
-                    f.seek(data + middle)
-                    samples.append((name, f"{info['dtype']}:{info['shape']}", f.read(min(128, end - middle))))
-        sha = hashlib.sha256()
-        for name, kind, sample in sorted(samples):
-            sha.update(f"{name}:{kind}:".encode() + sample)
-        return WEIGHTS_DIGEST + sha.hexdigest()[:32]
+        return FileLayout(self.model, {**self.shapes, **buffers}, in_model, checkpoint_class(self.root))
 
     def _damaged(self, file: str, reason: str) -> ModelError:
         return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
@@ -180,7 +155,7 @@ class SafetensorsWeights:
         """One clear error if the files lack a parameter of the model or hold it in another shape
         (weights of another architecture or size than their config.json), before any rank reads; the
         same for a vision-language checkpoint's vision tower (and projector), which the export keeps."""
-        quantized = hub.quantized_experts_problem(self.source, self.file_shapes)
+        quantized = quantized_experts_problem(self.source, self.file_shapes)
         if quantized:
             raise ModelError(quantized)
         for part, expected, found in (("weights do", self.shapes, lambda: self.layout.shapes),
@@ -205,7 +180,7 @@ class SafetensorsWeights:
         language_model = {id(p) for module in (whole.get_decoder(), whole.get_output_embeddings())
                           for p in module.parameters()}
         shapes = {name: tuple(p.shape) for name, p in whole.named_parameters() if id(p) not in language_model}
-        layout = functools.cache(lambda: hub.FileLayout(whole, shapes, self.file_shapes).shapes)
+        layout = functools.cache(lambda: FileLayout(whole, shapes, self.file_shapes).shapes)
         return shapes, layout
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
@@ -275,8 +250,8 @@ class RandomWeights:
 
 def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, device: torch.device) -> None:
     """Fill every (sharded) parameter of `model` with its slice, in the parameter's dtype (float32
-    masters; a LoRA run's frozen base in the compute dtype). LoRA adapters, which no model file
-    holds, start from their own initialisation (sft/models/lora.py), seeded like random init."""
+    masters; a LoRA run's frozen base in the compute dtype); LoRA adapters, which no model file
+    holds, are left to their own initialisation (LoRA.initialise_adapters)."""
     with torch.no_grad(), weights.reading():
         # By name: QLoRA replaces its NF4 parameters as it goes, and a list of the parameters
         # would keep every replaced one alive (the whole NF4 base twice).
@@ -288,42 +263,19 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
                 model.get_submodule(module_name).register_parameter(attr, quantized(full))
                 continue
             if is_adapter(clean_name(name)):
-                continue  # no model file holds them: initialise_adapters, below
-            index, local = _shard(param)
+                continue  # no model file holds them: LoRA.initialise_adapters (sft/adapters/lora.py)
+            index, local = local_slice(param)
             # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
             local.copy_(weights.read(clean_name(name), index, device))
         for name, buffer in persistent_buffers(model).items():  # whole on every rank
             if weights.holds(name):
                 buffer.copy_(weights.read(name, tuple(slice(None) for _ in buffer.shape), device))
-    initialise_adapters(model, weights.seed, device)
-
-
-def initialise_adapters(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Every LoRA adapter of `model` (sharded or not) to its initial value, seeded like random init
-    (load_weights, and the prepared-model cache, which holds none)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_adapter(clean_name(name)):
-                index, local = _shard(param)
-                local.copy_(initial_adapter(clean_name(name), tuple(param.shape), seed, device)[index])
 
 
 def _full_shape(model: nn.Module, name: str) -> torch.Size:
     """Parameter `name`'s shape as the model defines it (a fused expert weight stored in NF4 is 2-D)."""
     module_name, _, attr = name.rpartition(".")
     return full_shape(model.get_submodule(module_name), attr)
-
-
-def _shard(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
-    """(where this rank's part of `param` sits in the whole tensor, that part)."""
-    if isinstance(param, DTensor):
-        # The public chunk description DCP itself uses: where this rank's shard sits.
-        chunk = param.__create_chunk_list__()[0]
-        shape, offset, local = chunk.sizes, chunk.offsets, param.to_local()
-    else:
-        shape, offset, local = param.shape, (0,) * param.dim(), param
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape)), local
-
 
 
 def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> SafetensorsWeights | RandomWeights:
@@ -353,24 +305,3 @@ def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> No
     with weights.reading():
         kept = {name: weights.read_as_stored(name) for name in weights.kept()}
     save_file(kept, directory / KEPT, metadata={"format": "pt", **weights.names.metadata()})
-
-
-def base_changed(recorded: str, current: str) -> bool:
-    """Whether the base weights fingerprinted `current` (base_identity's `weights`) are not those a
-    LoRA run `recorded`; only fingerprints of weights compare (not a random init's seed or a cache's
-    path, nor the files' fingerprint that records before WEIGHTS_DIGEST hold)."""
-    return recorded.startswith(WEIGHTS_DIGEST) and current != recorded
-
-
-def base_identity(cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None = None) -> dict[str, str]:
-    """What a LoRA run's frozen base is, as its checkpoints record it: `base`, where it comes from
-    (a local directory by its absolute path, so that an export names it from anywhere, or a hub id),
-    and `weights`, a fingerprint that changes when the weights do (or the seed of a random init; the
-    prepared-model cache the run loaded them from, by its path: `prepared`)."""
-    path = Path(cfg.name_or_path).expanduser()
-    base = str(path.resolve()) if path.is_dir() else cfg.name_or_path
-    if prepared is not None:
-        return {"base": base, "weights": f"model.prepared_cache={prepared.resolve()}"}
-    if cfg.init != "pretrained":
-        return {"base": base, "weights": f"random init, train.seed={seed}"}
-    return {"base": base, "weights": SafetensorsWeights(cfg.name_or_path, model, seed).digest()}
