@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import set_seed
 
 from sft.checkpoint.manager import Checkpointer
+from sft.compile_cache import use_compile_cache
 from sft.config import check_machine, parse_args
 from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest(cfg.run_dir / STOP_REQUEST, started_at=time.time() - seconds_since_process_start())
     env = init_distributed(cfg.fsdp.cpu_offload, cfg.dist.timeout_minutes)
     check_machine(cfg, env.device)
+    # Before anything compiles: kernels an earlier process compiled (a requeue, a run of these shapes) load from here.
+    log0(rank0_first(lambda: use_compile_cache(cfg.compile.cache_dir)))
     set_seed(cfg.train.seed)  # python, numpy and torch
     gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice

@@ -87,6 +87,10 @@
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
+#   startup   issue #58, one GPU: launch -> exit after step 2, twice with one fresh compile.cache_dir (cold: nothing
+#             cached; warm: a relaunch, as after a requeue): P-7B rows with LoRA (ac 1) and the whole Qwen3-30B-A3B
+#             with LoRA on its attention and experts (mb 2, ac 1), random init; each run's wall time, start-up and
+#             first step with what torch.compile took from the cache (ONLY=regex picks lora-p7b / lora30b)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -675,6 +679,21 @@ RUNS
       p7b_data
       ac_runs lora72b <<RUNS
 lora72b-ac1 configs/qwen72b_qlora.yaml $LORA72B lora.base=bfloat16
+RUNS
+      ;;
+    startup)
+      p7b_data
+      caches=$(mktemp -d)
+      while read -r name config overrides; do
+        [[ "$name" =~ ${ONLY:-.} ]] || continue
+        for launch in cold warm; do
+          # shellcheck disable=SC2086
+          train "startup-$name-$launch" "$config" $overrides train.max_steps=2 compile.cache_dir="$caches/$name" </dev/null
+          grep -E "step 1 took" "$LOGS/startup-$name-$launch.log"
+        done
+      done <<RUNS
+lora-p7b configs/bench/p7b.yaml lora.rank=16 lora.alpha=32 ac.ratio=1
+lora30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
 RUNS
       ;;
     summary)

@@ -266,6 +266,12 @@ class CPConfig:
 class CompileConfig:
     enabled: bool = False
     """torch.compile each decoder block (after activation checkpointing, before FSDP)."""
+    cache_dir: str | None = None
+    """Where compiled kernels are kept across processes (torch.compile's graphs, Triton's kernels and
+    autotuning results, tilelang's), so that a relaunch (a Slurm requeue, the next run of the same
+    shapes) compiles nothing it compiled before. null: where TORCHINDUCTOR_CACHE_DIR /
+    TRITON_CACHE_DIR / TILELANG_CACHE_DIR already point, else ~/.cache/sft/compile. A folder the
+    nodes share serves every rank and job (sft/compile_cache.py)."""
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from sft import atomic
+from sft.compile_cache import compiled_graphs
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
 from sft.models.build import attention_layer_count
@@ -213,6 +214,11 @@ class StepMetrics:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
             entry.update(self.first_step_extras)
+            graphs = compiled_graphs()
+            if any(graphs.values()):  # what the first step (and what ran before this read) compiled
+                uncached = f", {graphs['uncached']} not cacheable" if graphs["uncached"] else ""
+                log0(f"step 1 took {step_time:.1f} s; torch.compile: {graphs['from_cache']} graphs from the cache, "
+                     f"{graphs['compiled']} compiled{uncached}")
         return entry, stops > 0
 
 
