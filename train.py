@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     state, loaded = ckpt.restore(resume_from, model, built.lora, optimizer, scheduler, global_batch, total_steps)
     # Only now: restoring the optimizer runs a step (of lr 0) on the weights before they load.
     precompute_scales_after_each_step(optimizer, model, cfg.precision.float8, built.lora)  # float8 all-gathers
+    if moe:  # DeepSeek-V3-style routers: the correction bias follows each step's expert loads
+        moe.update_biases_after_each_step(optimizer)
     rss = host_peak_rss_per_rank(env)
     log0(f"{loaded}; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
@@ -127,8 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
-        if moe:
-            moe.step_done()  # DeepSeek-V3-style routers: the correction bias follows the step's expert loads
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         metrics.step_ends(step, micro_batches, ce_sum, supervised, grad_norm, lr, stop.requested)

@@ -42,6 +42,9 @@ OVERRIDES = {
     # Inkling-2's files pad the head to vocab_size from the unpadded_vocab_size rows the model has
     **{mt: {"unpadded_vocab_size": 899} for mt in ("inkling2_text", "inkling2_loop_text")},
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
+    # Mamba-2 mixers of 128 heads x 64 and a state of 256 (the defaults) take minutes a row in the torch path
+    **{mt: {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 64}
+       for mt in ("bamba", "granitemoehybrid")},
     # transformers' default LFM2 config attends in every layer; its checkpoints interleave short convolutions
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},

@@ -203,8 +203,9 @@ CONSTRUCTED_BELOW = 1 << 16
 
 class RandomWeights:
     """The architecture's own random init, one module at a time, seeded by module name: its
-    `_init_weights`, and for a parameter that leaves untouched the constructor's value (small
-    parameters, built real: CONSTRUCTED_BELOW) or one error naming it (never uninitialised memory)."""
+    `_init_weights` of the module, then of the enclosing modules for what that leaves unset, then
+    for a parameter still untouched the constructor's value (small parameters, built real:
+    CONSTRUCTED_BELOW) or one error naming it (never uninitialised memory)."""
 
     def __init__(self, cfg: ModelConfig, seed: int):
         self.reference = build_meta_model(cfg, constructed_below=CONSTRUCTED_BELOW)
@@ -235,6 +236,7 @@ class RandomWeights:
                     param.fill_(float("nan"))  # what _init_weights leaves untouched stays NaN
                 torch.manual_seed(self.seed + zlib.crc32(module_name.encode()))
                 self.reference._init_weights(module)
+                self._init_from_enclosing_modules(module_name, module)
                 for local, param in module.named_parameters(recurse=False):
                     unset = param.isnan()
                     if not unset.any():
@@ -246,6 +248,29 @@ class RandomWeights:
                     param.copy_(constructed)
             self._module_name = module_name
         return getattr(module, param_name).detach()[index]
+
+    def _init_from_enclosing_modules(self, module_name: str, module: nn.Module) -> None:
+        """Parameters of `module` its own _init_weights left unset, set by an enclosing module's, the
+        nearest first, as from_config's walk over every module sets them (Qwen3.5-MoE's sparse block
+        sets its router's weight). The parameters already set are out of their reach meanwhile (on
+        the meta device), so only the unset ones change."""
+        params = dict(module.named_parameters(recurse=False))
+        unset = {local for local, param in params.items() if param.isnan().all()}
+        if not unset:
+            return
+        for local in params.keys() - unset:
+            module._parameters[local] = nn.Parameter(params[local].to("meta"), params[local].requires_grad)
+        try:
+            parts = module_name.split(".")
+            for depth in reversed(range(len(parts))):
+                if not any(params[local].isnan().all() for local in unset):
+                    break
+                enclosing = ".".join(parts[:depth])
+                torch.manual_seed(self.seed + zlib.crc32(f"{enclosing}>{module_name}".encode()))
+                self.reference._init_weights(self.reference.get_submodule(enclosing))
+        finally:
+            for local in params.keys() - unset:
+                module._parameters[local] = params[local]
 
 
 def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, device: torch.device) -> None:

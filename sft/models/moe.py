@@ -23,8 +23,8 @@ block as it is (docs/moe.md). The start-up line says which path a model takes.
 
 `apply_moe` returns the `MoE` handle the recipe passes to whatever needs the experts: parallelize
 (their FSDP placement; the top-k op's outputs saved under every checkpointing policy), the loss (the
-load-balancing term's scale and mask), the metrics (expert loads) and the optimizer step
-(`MoE.step_done`: the correction bias of DeepSeek-V3-style routers, moe.bias_update_rate).
+load-balancing term's scale and mask), the metrics (expert loads) and the optimizer (the correction
+bias of DeepSeek-V3-style routers after each step: `update_biases_after_each_step`).
 
 The load-balancing loss is each layer's Switch term over a micro-batch's real tokens, weighted by
 the micro-batch's share of the step's real tokens (why: docs/moe.md, "Load-balancing loss").
@@ -350,6 +350,12 @@ class MoE:
         """This rank's [layers, 1 + E] sums over the step (to be all-reduced by the caller); None on
         the general path."""
         return self._stats
+
+    def update_biases_after_each_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `step_done` an optimizer post-step hook, where there is a correction bias to move.
+        Register it once the weights are loaded: DCP's restore of an optimizer state runs a step."""
+        if self.biased and self.bias_update_rate:
+            optimizer.register_step_post_hook(lambda *_: self.step_done())
 
     def step_done(self) -> None:
         """After the optimizer step: each correction bias moves by moe.bias_update_rate towards the

@@ -190,3 +190,26 @@ def test_a_load_opens_each_file_a_few_times_however_many_tensors_it_holds(tmp_pa
     reference = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_random_init_sets_what_an_enclosing_modules_init_sets(tmp_path):
+    """Qwen3.5-MoE's sparse block initialises its router's weight; the router's own _init_weights
+    does not. At Qwen3.5-35B-A3B's router width (256 experts; above CONSTRUCTED_BELOW, so no
+    constructor value stands in) random init refused the model before; now the weight is drawn as
+    from_config draws it (normal, initializer_range), the same on every call, and nothing else moves."""
+    from helpers import tiny_model_dir
+    from sft.hub.weights import CONSTRUCTED_BELOW, RandomWeights
+
+    directory = tiny_model_dir(tmp_path, "qwen3_5_moe_text", hidden_size=512, num_experts=256)
+    cfg = ModelConfig(name_or_path=str(directory), init="random")
+    router, experts = "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj"
+    reads = []
+    for _ in range(2):
+        weights = RandomWeights(cfg, seed=0)
+        assert weights.reference.get_parameter(router).numel() > CONSTRUCTED_BELOW
+        reads.append({name: weights.read(name, (slice(None),), torch.device("cpu")).clone()
+                      for name in (router, experts, "model.layers.0.mlp.shared_expert.up_proj.weight")})
+    std = weights.reference.config.initializer_range
+    assert reads[0][router].std().item() == pytest.approx(std, rel=0.05) and not reads[0][router].isnan().any()
+    assert all(torch.equal(reads[0][name], reads[1][name]) for name in reads[0])
+    assert reads[0][experts].std().item() == pytest.approx(std, rel=0.05)
