@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretr
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
+from sft.models.layers import attention_kinds
 from sft.models.vision_language import causal_class, is_vision_language, language_model_config, under_a_head
 
 # What activation checkpointing inserts into parameter names (blocks are compiled in place,
@@ -174,27 +175,12 @@ def use_causal_sdpa(model: PreTrainedModel, packing: bool) -> bool:
     return True
 
 
-# Layer kinds (config.layer_types, as transformers names them) that do not attend: a hybrid's
-# recurrent or convolutional layers (Gated DeltaNet and Mamba mixers are "linear_attention"), and
-# Nemotron-H's MLP and MoE layers. Every other kind attends (Falcon-H1's "hybrid" layers, DeepSeek-V3.2's
-# "indexed_attention", ...).
-NON_ATTENDING_LAYERS = frozenset({"linear_attention", "conv", "mamba", "recurrent", "mlp", "moe"})
-
-
-def attention_layer_count(config: PretrainedConfig) -> int:
-    """How many layers attend (a config without layer_types attends in every layer)."""
-    text = config.get_text_config()
-    kinds = getattr(text, "layer_types", None)
-    return sum(kind not in NON_ATTENDING_LAYERS for kind in kinds) if kinds else text.num_hidden_layers
-
-
 def attends_fully(model: PreTrainedModel) -> bool:
     """Whether every layer of `model` that attends attends to the whole (causal) row: no sliding
     window, no soft cap of the attention logits (a hybrid's recurrent layers take no mask). Masks,
     causal-only kernels and context parallelism rely on it."""
     config = model.config.get_text_config()
-    attending = set(getattr(config, "layer_types", None) or ["full_attention"]) - NON_ATTENDING_LAYERS
-    return (attending <= {"full_attention"} and not getattr(config, "sliding_window", None)
+    return (attention_kinds(config) <= {"full_attention"} and not getattr(config, "sliding_window", None)
             and not getattr(config, "attn_logit_softcapping", None))
 
 

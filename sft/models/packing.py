@@ -30,11 +30,9 @@ from transformers import PreTrainedModel, masking_utils
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
+from sft.models.layers import stateful_kinds
 
-# Layer kinds (config.layer_types, as transformers names them) that carry nothing along a row: a
-# packed document sees only itself once its positions restart.
-STATELESS_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"})
-# Mixers that carry state along a row, by a part of their class name (for configs without layer_types).
+# Mixers that carry state along a row, by a part of their class name (for configs that name no layer kinds).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
                     "DeltaAttention", "Rglru")
 
@@ -58,7 +56,7 @@ def _stateful_mixers(model: PreTrainedModel) -> dict[str, type]:
 def stateful_layers(model: PreTrainedModel) -> str | None:
     """The layers of `model` that carry state along a row, named for a message; None when every
     layer attends or is an MLP."""
-    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or []) - STATELESS_LAYERS
+    kinds = stateful_kinds(model.config)
     mixers = sorted(_stateful_mixers(model))
     if not kinds and not mixers:
         return None

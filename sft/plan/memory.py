@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from sft.adapters.lora import apply_lora, nf4_weights
-from sft.config import DTYPES, LOGITS_PER_CHUNK, Config, LoRAConfig
-from sft.config import STATE_BYTES, StateBytes, state_bytes
+from sft.config import DTYPES, LOGITS_PER_CHUNK, STATE_BYTES, Config, LoRAConfig, StateBytes, state_bytes
 from sft.models.build import decoder_blocks
+from sft.models.layers import recurrent_byte_blocks
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
 from sft.models.packing import cp_unsupported
@@ -147,8 +147,7 @@ class Shapes:
         ffn = top_k * expert_ffn if experts else text.intermediate_size
         block_experts = sum(p.numel() for n, p in largest.named_parameters() if ".experts." in n)
         q_out = max((m.out_features for n, m in model.named_modules() if n.endswith("self_attn.q_proj")), default=0)
-        delta_blocks = tuple(i for i, kind in enumerate(getattr(text, "layer_types", None) or [])
-                             if kind == "linear_attention")
+        delta_blocks = recurrent_byte_blocks(model.config)
         delta_value_dim = getattr(text, "linear_num_value_heads", 0) * getattr(text, "linear_value_head_dim", 0)
         return cls(params, block, params - sum(sizes), text.num_hidden_layers,
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,

@@ -19,7 +19,7 @@ from sft import atomic
 from sft.compile_cache import compiled_graphs
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
-from sft.models.build import attention_layer_count
+from sft.models.layers import attention_layer_count
 from sft.models.moe import parameters_per_token
 from sft.parallel.mesh import ParallelDims
 

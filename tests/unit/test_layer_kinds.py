@@ -4,9 +4,11 @@ term, and the maskless causal SDPA that rows of one sequence take."""
 import pytest
 from transformers import AutoConfig
 
-from helpers import REPO, tiny_config, tiny_model_dir
+from helpers import FALCON_H1, REPO, tiny_config, tiny_model_dir
 from sft.config import ModelConfig
-from sft.models.build import attention_layer_count, build_meta_model, use_causal_sdpa
+from sft.models.build import build_meta_model, use_causal_sdpa
+from sft.models.layers import attention_layer_count
+from sft.models.packing import stateful_layers
 
 
 @pytest.mark.parametrize("config, attending", [
@@ -27,4 +29,7 @@ def test_kinds_that_attend_otherwise_count_as_attending(tmp_path):
     assert attention_layer_count(deepseek) == deepseek.num_hidden_layers
     model = build_meta_model(ModelConfig(name_or_path=str(tiny_model_dir(tmp_path, "deepseek_v32"))))
     assert not use_causal_sdpa(model, packing=False)
+    assert stateful_layers(model) is None  # nothing passes along the row: its packed rows are checked in the zoo
+    assert stateful_layers(build_meta_model(ModelConfig(name_or_path=str(tiny_model_dir(tmp_path, "falcon_h1", **FALCON_H1))))) \
+        == "FalconH1ForCausalLM's hybrid layers (FalconH1Mixer)"
 
