@@ -38,13 +38,15 @@ from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_mem
 from sft.profiling import StepProfiler
 from sft.training.evaluate import Evaluations
 from sft.training.loss import forward_backward
-from sft.training.metrics import MetricsLogger, StepMetrics, host_peak_rss_per_rank, seconds_since_process_start
+from sft.training.metrics import (MetricsLogger, StartupClock, StepMetrics, host_peak_rss_per_rank,
+                                  seconds_since_process_start)
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from sft.training.rundir import RunDirectory
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = StartupClock()  # where the start goes: imports, setup, data, model, weights (logged at step 1)
     # Config first: a typo fails here, before any process group, model or directory exists.
     cfg = parse_args(argv)
     # From here a SIGTERM/SIGUSR1 or a stop-request file stops the run within two steps, and the
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     rank0_first(lambda: check_vocabulary(cfg.model, tokenizer))
     ckpt = Checkpointer(cfg, tokenizer, env)
     resume_from = ckpt.resume_point(auto=run.resume_auto())
+    startup.done("setup")
 
     # Data before the model: bad data fails fast, before the expensive part.
     train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_batches = MicroBatches(eval_data, tokenizer.pad_token_id, cfg.data) if eval_data is not None else None
     total_steps = cfg.train.max_steps or cfg.train.epochs * train_batches.sampler.steps_per_epoch
     log0(f"data: {train_batches.describe()}, {len(eval_data) if eval_data else 0} eval samples, {total_steps} steps")
+    startup.done("data")
 
     if gpu_mem_gib and (warning := check_fits(cfg, env.world_size, gpu_mem_gib)):
         log0(warning)  # before anything is allocated: this run may not fit
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     model, moe = built.model, built.moe
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    startup.done("model")
     # The one place that decides where the weights come from: the resume checkpoint (with the
     # optimizer and scheduler), the prepared-model cache, the Hugging Face files or random init.
     state, loaded = ckpt.restore(resume_from, model, built.lora, optimizer, scheduler, global_batch, total_steps)
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     precompute_scales_after_each_step(optimizer, model, cfg.precision.float8, built.lora)  # float8 all-gathers
     if moe:  # DeepSeek-V3-style routers: the correction bias follows each step's expert loads
         moe.update_biases_after_each_step(optimizer)
+    startup.done("weights")
     rss = host_peak_rss_per_rank(env)
     log0(f"{loaded}; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     run.start(start_step, ckpt.skipped)  # everything loaded: only now does this run change its directory
     logger = MetricsLogger(cfg.run_dir, cfg.logging, cfg.train.run_name, dataclasses.asdict(cfg), total_steps,
                            start_step, enabled=env.is_main)
-    metrics = StepMetrics(model, env, total_steps, state["tokens_seen"], rss, dims, moe)
+    metrics = StepMetrics(model, env, total_steps, state["tokens_seen"], rss, dims, moe, startup)
     profiler = StepProfiler(cfg.logging.profile_steps, total_steps, cfg.run_dir / "profile", env.is_main,
                             report=logger.message)
 

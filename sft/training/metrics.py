@@ -34,7 +34,7 @@ PEAK_BF16_FLOPS = (
 # them; tests check both). GPUs with a known peak add "mfu"; the first step adds START_KEYS.
 STEP_KEYS = ("step", "loss", "grad_norm", "lr", "tokens", "supervised_tokens", "tokens_seen", "step_time", "eta_s",
              "tokens_per_s_per_gpu", "supervised_tokens_per_s_per_gpu", "peak_memory_gib")
-START_KEYS = ("startup_s", "host_peak_rss_gib_per_rank")
+START_KEYS = ("startup_s", "startup_stages_s", "host_peak_rss_gib_per_rank")
 # On GPUs every step also logs the caching allocator's side (AllocatorStats).
 ALLOCATOR_KEYS = ("peak_reserved_gib", "alloc_retries")
 
@@ -105,6 +105,22 @@ def host_peak_rss_per_rank(env: DistEnv) -> list[float]:
     return all_reduce_sum(rss, env.device).tolist()
 
 
+class StartupClock:
+    """Where a run's start went, stage by stage: `done(stage)` ends a stage at that moment; the
+    first, "imports" (the interpreter and the imports), ended when the clock was made."""
+
+    def __init__(self):
+        self.ends = [("imports", seconds_since_process_start())]
+
+    def done(self, stage: str) -> None:
+        self.ends.append((stage, seconds_since_process_start()))
+
+    def stages(self) -> dict[str, float]:
+        """Each stage's seconds, in order."""
+        starts = [0.0] + [end for _, end in self.ends[:-1]]
+        return {stage: end - start for (stage, end), start in zip(self.ends, starts)}
+
+
 class StepMetrics:
     """The numbers of each optimizer step, from the values the loop hands over by name.
 
@@ -115,14 +131,17 @@ class StepMetrics:
     """
 
     def __init__(self, model: torch.nn.Module, env: DistEnv, total_steps: int, tokens_seen: int,
-                 host_peak_rss: list[float], dims: ParallelDims, moe=None):
-        """Made once the run is ready to train: the first step's entry says how long the start took,
-        and `host_peak_rss` (per rank, GiB) how much host memory it took. `moe`: the MoE handle of a
-        mixture-of-experts model (sft/models/moe.py): its expert loads are logged, and MFU counts
-        the parameters a token runs through."""
+                 host_peak_rss: list[float], dims: ParallelDims, moe=None, startup: StartupClock | None = None):
+        """Made once the run is ready to train: the first step's entry says how long the start took
+        (by `startup`'s stages, where given), and `host_peak_rss` (per rank, GiB) how much host
+        memory it took. `moe`: the MoE handle of a mixture-of-experts model (sft/models/moe.py): its
+        expert loads are logged, and MFU counts the parameters a token runs through."""
         startup_s = seconds_since_process_start()
-        log0(f"start-up took {startup_s:.1f} s (process start -> ready to train)")
-        self.first_step_extras = {"startup_s": startup_s, "host_peak_rss_gib_per_rank": host_peak_rss}
+        stages = startup.stages() if startup else {}
+        split = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in stages.items())
+        log0(f"start-up took {startup_s:.1f} s (process start -> ready to train{': ' * bool(split)}{split})")
+        self.first_step_extras = {"startup_s": startup_s, "startup_stages_s": stages,
+                                  "host_peak_rss_gib_per_rank": host_peak_rss}
         text = model.config.get_text_config()
         # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).

@@ -30,6 +30,9 @@ def test_metrics_file_has_stable_keys_and_monotonic_steps(run):
     for e in steps:
         assert set(e) == set(STEP_KEYS) | (set(START_KEYS) if e["step"] == 1 else set())  # no MFU on CPU
     assert steps[0]["startup_s"] > 0 and len(steps[0]["host_peak_rss_gib_per_rank"]) == 2
+    stages = steps[0]["startup_stages_s"]  # where the start went, in order; the rest is making the metrics
+    assert list(stages) == ["imports", "setup", "data", "model", "weights"] and min(stages.values()) > 0
+    assert sum(stages.values()) <= steps[0]["startup_s"] < sum(stages.values()) + 5
     assert [e["tokens_seen"] for e in steps] == sorted({e["tokens_seen"] for e in steps})
     assert steps[-1]["eta_s"] == 0
 
