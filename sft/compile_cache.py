@@ -6,8 +6,11 @@ kernels are written under one folder, `compile.cache_dir` (by default ~/.cache/s
 Slurm requeue, the next launch of a run and every later run of the same shapes load them from there
 instead of compiling again (Qwen3.5-9B's first step: 117-190 s cold, 11-22 s warm; docs/BENCHMARKS.md).
 torch's own default, /tmp/torchinductor_<user>, is lost with a job's node-local /tmp. One folder on a
-filesystem the nodes share serves every rank and job: each cache writes a file under a temporary
-name and renames it. What dynamo traces is not cached: a warm launch still traces each graph once.
+filesystem the nodes share serves every rank and job: Triton's kernels and inductor's graphs are
+written under a temporary name and renamed. Inductor's C++ libraries (compiled CPU runs) are written
+in place: a run killed while compiling one can leave it truncated ("file too short" at every later
+compile); deleting the folder's inductor/ fixes that. What dynamo traces is not cached: a warm
+launch still traces each graph once.
 """
 
 from __future__ import annotations

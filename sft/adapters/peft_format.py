@@ -38,7 +38,7 @@ from sft.hub.layout import is_adapter, renamer
 from sft.models.experts import EXPERT_WEIGHTS
 
 CONFIG_FILE = "adapter_config.json"
-BASE_WEIGHTS = "sft_base_weights"  # adapter_config.json: the fingerprint of the base's weights (sft.hub.weights)
+BASE_WEIGHTS = "sft_base_weights"  # adapter_config.json: the fingerprint of the base's weights (sft/hub/identity.py)
 WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 

@@ -80,7 +80,9 @@ def test_one_torchrun_per_node_with_c10d_rendezvous_on_the_head(fake_slurm):
     dry = sbatch({**env, "SFT_DRY_RUN": "1"}, out, "optim.lr=2e-3")
     assert dry.stdout.strip().splitlines()[-1] == expected(env, out)
     shared = sbatch({**env, "SFT_DRY_RUN": "1", "SFT_COMPILE_CACHE": "/shared/compile"}, out, "optim.lr=2e-3")
-    assert shared.stdout.strip().splitlines()[-1] == expected(env, out) + " compile.cache_dir=/shared/compile"
+    # before the command line's overrides, which win over it
+    assert shared.stdout.strip().splitlines()[-1] == expected(env, out).replace(
+        "--config configs/demo.yaml ", "--config configs/demo.yaml compile.cache_dir=/shared/compile ")
 
 
 def test_container_prefix_goes_between_srun_and_torchrun(fake_slurm):
