@@ -56,4 +56,4 @@ def base_identity(cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path 
         return {"base": base, "weights": f"model.prepared_cache={prepared.resolve()}"}
     if cfg.init != "pretrained":
         return {"base": base, "weights": f"random init, train.seed={seed}"}
-    return {"base": base, "weights": weights_digest(SafetensorsWeights(cfg.name_or_path, model, seed))}
+    return {"base": base, "weights": weights_digest(SafetensorsWeights(cfg.name_or_path, model))}

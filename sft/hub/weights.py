@@ -46,7 +46,7 @@ REOPEN_AFTER_BYTES = 512 * 2**20
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
-    def __init__(self, directory: str, model: nn.Module, seed: int = 0):
+    def __init__(self, directory: str, model: nn.Module):
         if missing := missing_local_dir("model.name_or_path", directory):
             raise missing
         root = Path(directory)
@@ -69,7 +69,6 @@ class SafetensorsWeights:
         self.model = model
         self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
                        if not is_adapter(n)}
-        self.seed = seed  # for what the files do not hold: LoRA adapters
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
         self.file_shapes = self._file_shapes_by_name()  # the files' headers, read once
@@ -310,7 +309,7 @@ def initial_weights(cfg: ModelConfig, seed: int, model: nn.Module) -> Safetensor
         return RandomWeights(cfg, seed)
 
     def opened() -> SafetensorsWeights:
-        weights = SafetensorsWeights(cfg.name_or_path, model, seed)
+        weights = SafetensorsWeights(cfg.name_or_path, model)
         if not dist.is_initialized() or dist.get_rank() == 0:
             weights.check()
         return weights
