@@ -88,8 +88,8 @@ def init_distributed(cpu_offload: bool = False, timeout_minutes: float | None = 
 def shut_down() -> None:
     """Collective, at a run's end: once every rank is done with them (a barrier: no rank tears down
     gloo/NCCL while another still talks to it), the process groups are destroyed and no reference to
-    one is left, so that none (nor its threads) lives on into the interpreter's exit, where its
-    teardown can abort the process ('terminate called without an active exception', exit -6)."""
+    one is kept. The process then ends without the interpreter's teardown (sft.errors.run_command),
+    where C++ destructors could abort a finished run ('terminate called without an active exception')."""
     global _long_wait_group
     dist.barrier()
     dist.destroy_process_group()

@@ -37,19 +37,31 @@ def explain(kind: type[BaseException], explanation: Callable[[BaseException], Us
     _EXPLAINED[kind] = explanation
 
 
-def run_command(main: Callable[[], int | None]) -> None:
+def run_command(main: Callable[[], int | None], end_process: bool = True) -> None:
     """Run an entry point (train.py, `python -m sft.<tool>`) and exit with its status. Bad input is
     one line on stderr and exit status 2, never a traceback; under torchrun an error every rank
-    raises alike (`shared`) is printed once, by rank 0."""
-    # At exit the interpreter's last garbage collection walks every object torch, transformers and
-    # their imports created: ~1 s of every process's exit on the 2-core CPU machine, for nothing (no
-    # finaliser of ours is left to run then: logs, checkpoints and exports are closed explicitly).
-    # Frozen, they are skipped (0.17 s). Registered here, it touches only processes that run an
-    # entry point (in-process test calls register it again: freezing twice at exit is harmless).
+    raises alike (`shared`) is printed once, by rank 0.
+
+    Once `main` has returned, everything it owns is closed (logs, checkpoints, exports, the process
+    groups), and the process ends there (`end_process`; a test calling an entry point in its own
+    process passes False and gets the SystemExit): the atexit handlers run (the run directory's
+    lock, the compile workers), then `os._exit`, without the interpreter's teardown. Why: in that
+    teardown, torch's and gloo's C++ objects are destroyed in no set order, and about one 2-rank
+    launch in 75 under load aborted there after a finished run ('terminate called without an
+    active exception', exit -6: a requeue or a failed job under Slurm) — issue #56.
+    """
+    # A failed command exits through the interpreter's teardown, whose last garbage collection walks
+    # every object torch, transformers and their imports created: ~1 s on the 2-core CPU machine,
+    # for nothing (no finaliser of ours is left to run then: logs, checkpoints and exports are
+    # closed explicitly). Frozen, they are skipped (0.17 s). Registered here, it touches only
+    # processes that run an entry point (in-process test calls register it again: harmless).
     atexit.register(gc.freeze)
     try:
         try:
-            sys.exit(main())
+            status = main()
+            if end_process:
+                _end_process(status or 0)
+            sys.exit(status)
         except tuple(_EXPLAINED) as e:  # noqa: B030 -- the kinds registered so far
             raise next(explanation(e) for kind, explanation in _EXPLAINED.items() if isinstance(e, kind)) from None
     except UserError as e:
@@ -63,3 +75,11 @@ def run_command(main: Callable[[], int | None]) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(SHARED_ERROR_GRACE_S)
         sys.exit(2)
+
+
+def _end_process(status: int) -> None:
+    """Exit with `status` now: stdio flushed, the atexit handlers run, no interpreter teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(status)

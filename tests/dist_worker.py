@@ -24,6 +24,7 @@ from sft.data.collate import collate, collate_packed
 from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, FSDPConfig, LoRAConfig, MoEConfig,
                         ModelConfig, OptimConfig, PrecisionConfig)
 from sft.distributed import all_reduce_sum, init_distributed, local_part
+from sft.errors import run_command
 from sft.training.loss import forward_backward, loss_inputs, on_device
 from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
 from sft.hub.weights import initial_weights, load_weights
@@ -400,4 +401,4 @@ def empty_experts_probe(env) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -44,7 +44,7 @@ def main() -> None:
             sys.stderr.flush()
             os.dup2(capture.fileno(), 2)  # the whole fd: Python, the libraries' loggers and C alike
             try:
-                run_command(lambda argv=argv: train.main(argv))
+                run_command(lambda argv=argv: train.main(argv), end_process=False)
             except SystemExit:
                 pass
             finally:
@@ -58,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from helpers import synthetic_global_batch
 from sft.checkpoint.manager import Checkpointer
 from sft.data.collate import collate
+from sft.errors import run_command
 from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionConfig
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.parallel.float8 import fuse_weight_casts, precompute_scales_after_each_step
@@ -119,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -610,7 +610,7 @@ def out_of_memory_line(cfg, capsys, monkeypatch=None, peak_gib: float | None = N
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     with pytest.raises(SystemExit) as exit_:
-        run_command(main)
+        run_command(main, end_process=False)
     assert exit_.value.code == 2
     return capsys.readouterr().err
 
