@@ -8,8 +8,8 @@ a few steps of AdamW on one batch (the loss falls), packed against padded rows (
 every gradient within 1e-4 of its tensor's largest entry, or refused in one line), the export as
 sft.export writes it loaded back by transformers (the same class, the next-token loss of its logits
 equal to ours, causal; a vision-language checkpoint's: the original class, its language model's
-tensors as trained, its vision tower as the source's), and whether context parallelism, expert
-parallelism and LoRA take it. A row whose reference cannot run says so in its status.
+tensors as trained, its vision tower as the source's), and whether context parallelism (its loss
+with its attention through context parallelism's equal to its own), expert parallelism and LoRA take it. A row whose reference cannot run says so in its status.
 
     python tests/zoo.py            # writes docs/models.md from the results (make models-doc)
 
@@ -130,7 +130,7 @@ def check_family(family: str, tmp: Path) -> Row:
         row.packing = "exact" if stateful else "yes"
     except Exception as e:  # noqa: BLE001
         row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"
-    row.cp = "no: " + why if (why := cp_unsupported(model, moe=moe is not None)) else "yes"
+    row.cp = "no: " + why if (why := cp_unsupported(model)) else "yes"
     row.ep = ("yes" if moe and not moe.general else "no (general path)") if moe else "—"
     try:
         fresh = build_meta_model(cfg)
@@ -162,6 +162,10 @@ def check_family(family: str, tmp: Path) -> Row:
                 reference = None  # no reference: the row says so
         if reference is not None and not abs(ours - reference) <= 1e-4 * abs(reference):
             row.status = f"loads otherwise than transformers ({ours:.5f} here, {reference:.5f} there)"
+            return row
+        if row.cp == "yes" and abs((split := _context_parallel_loss(model, padded)) - ours) > 1e-5 * abs(ours):
+            row.cp = "differs from cp 1"
+            row.status = f"its attention under context parallelism differs ({split:.6f} there, {ours:.6f} here)"
             return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
@@ -293,6 +297,34 @@ def _loss(model, batch: dict) -> float:
     return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
 
 
+def _context_parallel_loss(model, batch: dict) -> float:
+    """`_loss` with the model's attention that of context parallelism (sft/parallel/context_parallel.py),
+    over a group of this one process: the family's attention layers through that interface (what
+    they pass it, multi-head latent attention's widths), the whole row on this rank. The exchange
+    between ranks is tested on 2 and 4 gloo ranks (tests/integration/test_distributed.py)."""
+    import torch.distributed as dist
+
+    from sft.parallel.context_parallel import apply_context_parallel
+    from sft.training.loss import loss_inputs
+
+    alone = not dist.is_initialized()
+    if alone:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one_rank = argparse.Namespace(cp=1, cp_rank=0, cp_enabled=True, cp_group_name=dist.group.WORLD.group_name)
+    implementation, training = model.config._attn_implementation, model.training
+    try:
+        apply_context_parallel(model, one_rank, None)
+        model.eval()  # as `_loss`'s reference ran: no dropout
+        with torch.no_grad():
+            inputs = loss_inputs(batch, one_rank)
+            return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
+    finally:
+        model.config._attn_implementation = implementation
+        model.train(training)
+        if alone:
+            dist.destroy_process_group()
+
+
 def _backward(model, moe, batch: dict) -> float:
     """Our loss of `batch`, its gradients accumulated (`moe`: the MoE handle, or None), as a step does."""
     from sft.training.loss import loss_inputs
@@ -371,7 +403,8 @@ the row), vision-language (the language model trained alone, the original export
 docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet, Kimi delta attention, short convolutions: every document
 restarts the state),
 or refused with the layers named; *context parallelism* and *expert parallelism* — whether
-`cp.degree` and `moe.ep_degree` take it; *LoRA* — the Linear layers `all-linear` adapts.
+`cp.degree` and `moe.ep_degree` take it (where context parallelism does, the model's loss with its
+attention run through context parallelism's equals its own); *LoRA* — the Linear layers `all-linear` adapts.
 
 """.replace("{steps}", str(STEPS))
 

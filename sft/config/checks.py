@@ -111,9 +111,9 @@ def _state_and_moe_checks(cfg: Config, check: Callable[[bool, str, Any, str], No
     check(cfg.plan.auto or not cfg.plan.allow_lean_state, "plan.allow_lean_state", cfg.plan.allow_lean_state,
           "lets plan.auto choose bfloat16 optimizer state, and does nothing without it: set plan.auto=true, or set "
           "optim.state_dtype / optim.master_dtype yourself")
-    check(cfg.moe.ep_degree <= 1 or (cfg.cp.degree == 1 and cfg.fsdp.replicate_degree == 1 and cfg.lora.base != "nf4"),
-          "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with cp.degree > 1, "
-          "fsdp.replicate_degree > 1 or QLoRA's lora.base=nf4 (whole on every rank) yet; set moe.ep_degree=1")
+    check(cfg.moe.ep_degree <= 1 or (cfg.fsdp.replicate_degree == 1 and cfg.lora.base != "nf4"),
+          "moe.ep_degree", cfg.moe.ep_degree, "expert parallelism does not combine with fsdp.replicate_degree > 1 "
+          "or QLoRA's lora.base=nf4 (whole on every rank) yet; set moe.ep_degree=1")
     check(cfg.moe.aux_loss_coef is None or cfg.moe.aux_loss_coef >= 0, "moe.aux_loss_coef", cfg.moe.aux_loss_coef,
           "must be >= 0, or null for the model's router_aux_loss_coef")
 

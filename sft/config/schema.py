@@ -245,10 +245,11 @@ class MoEConfig:
     them are sent there and back (dropless: all-to-all of exactly the routed rows, one host sync
     per block forward for the split sizes). 1 turns it off: the experts are FSDP-sharded like
     every other weight and all-gathered in every block. Must divide the ranks and the number of
-    experts; checkpoints resume at any degree. Not with LoRA, cp.degree > 1 or
-    fsdp.replicate_degree > 1 yet. Measured on 2 H200 (NVLink), Qwen3-30B-A3B widths at 10 blocks:
-    6% slower than 1 (dfebf3d), whose all-gathers hide under compute where the all-to-alls cannot
-    (docs/BENCHMARKS.md); what it saves is the gathered experts' memory."""
+    experts; checkpoints resume at any degree. With cp.degree, the rows' parts travel from every
+    rank of a cp group alike. Not with fsdp.replicate_degree > 1 or lora.base=nf4 yet. Measured
+    on 2 H200 (NVLink), Qwen3-30B-A3B widths at 10 blocks: 6% slower than 1 (dfebf3d), whose
+    all-gathers hide under compute where the all-to-alls cannot (docs/BENCHMARKS.md); what it
+    saves is the gathered experts' memory."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ import inspect
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor.placement_types import Shard
 from torch.overrides import TorchFunctionMode
@@ -121,7 +122,8 @@ class SparseMoE:
     """The model's sparse block, computing as transformers does (its router, our experts, its shared
     experts), with the load-balancing term and the expert loads. Per micro-batch the `MoE` handle
     sets `real_tokens` (float [T]: 1 a real token, 0 padding; kept for a checkpointed block's
-    recomputation) and per step `aux_scale`; each forward leaves `stats` (aux term, expert loads)."""
+    recomputation) and per step `aux_scale`; each forward leaves `stats` (aux term, this rank's
+    expert loads). `cp_group`: the ranks that hold the other parts of its rows, or None."""
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         output = super().forward(hidden_states, *args, **kwargs)
@@ -133,12 +135,15 @@ class SparseMoE:
         router = self._modules[self.router_name]
         probs, router.router_logits = router.router_logits.float().softmax(dim=-1), None
         num_experts = probs.shape[-1]
-        tokens = real.sum().clamp(min=1)
         load = torch.zeros(num_experts, dtype=torch.float32, device=out.device).scatter_add_(
             0, top_i.reshape(-1), real.repeat_interleave(top_i.shape[1]))
+        counts = torch.cat([load, real.sum().view(1)])
+        if self.cp_group is not None:  # this rank holds part of each row: the term counts the whole rows
+            counts = funcol.all_reduce(counts, "sum", self.cp_group)
         prob_sum = (probs * real.unsqueeze(-1)).sum(dim=0)
-        # (T_mb / T_step) * coef/L * E * sum_e (load_e / T_mb) * (prob_sum_e / T_mb); scale = coef/(L * T_step)
-        aux = self.aux_scale * num_experts * (load * prob_sum).sum() / tokens
+        # (T_mb / T_step) * coef/L * E * sum_e (load_e / T_mb) * (prob_sum_e / T_mb); scale = coef/(L * T_step).
+        # Under context parallelism each rank's term has its own tokens' prob_sum: the terms sum to the rows'.
+        aux = self.aux_scale * num_experts * (counts[:-1] * prob_sum).sum() / counts[-1].clamp(min=1)
         out = _AddAuxLossGrad.apply(out, aux)
         # For the metrics; under compile with checkpointing this side effect is not replayed in
         # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
@@ -242,6 +247,7 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         block.experts.run_experts = run_local_experts  # across the ep ranks: sft/parallel/expert_parallel.py
         _become(block, SparseMoE)
         block.router_name, block.real_tokens, block.aux_scale, block.stats = router_name, None, None, None
+        block.cp_group = None
         blocks.append(block)
     # The block's statistics for the metrics are a forward side effect; compiled checkpointed blocks
     # would otherwise graph-break on it (torch 2.11+; older versions run the region eagerly).
@@ -330,6 +336,12 @@ class MoE:
                 return Shard(1) if param.shape[1] >= shard_ranks else Shard(2)
             return None  # FSDP's default, Shard(0)
         return placement
+
+    def count_rows_over(self, cp_group: str) -> None:
+        """Context parallelism: each rank holds part of every row, the rest are on the ranks of
+        `cp_group` (a group name); the load-balancing term counts the whole rows."""
+        for block in self.blocks:
+            block.cp_group = cp_group
 
     def begin_step(self, real_tokens: torch.Tensor) -> None:
         self._scale = self.coef / (max(len(self.blocks), 1) * real_tokens.float().clamp(min=1))

@@ -22,15 +22,16 @@ splits rows rather than packing them, refuses every such layer (`cp_unsupported`
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
-from transformers import PreTrainedModel, masking_utils
+from transformers import AttentionInterface, PreTrainedModel, masking_utils
 
 from sft.errors import UserError
 from sft.models.build import attends_fully, decoder
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
-from sft.models.layers import stateful_kinds
+from sft.models.layers import attention_kinds, stateful_kinds
 
 # Mixers that carry state along a row, by a part of their class name (for configs that name no layer kinds).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
@@ -77,8 +78,8 @@ def _packs_exactly(model: PreTrainedModel) -> bool:
 
 def builds_document_masks(model: PreTrainedModel) -> bool:
     """Whether `model` builds its attention masks from the position ids, so that the documents of a
-    packed row do not see each other: its own forward is run (on the meta device: nothing is
-    computed) on a packed row's positions, watching whether transformers looks for the documents."""
+    packed row do not see each other: its own forward is run on a packed row's positions,
+    watching whether transformers looks for the documents."""
     class Looked(Exception):
         pass
 
@@ -89,8 +90,7 @@ def builds_document_masks(model: PreTrainedModel) -> bool:
     masking_utils.find_packed_sequence_indices = watched
     try:
         with torch.no_grad():
-            decoder(model)[1](input_ids=torch.ones((1, 4), dtype=torch.long, device="meta"),
-                             position_ids=torch.tensor([[0, 1, 0, 1]]), use_cache=False)
+            _probe_forward(model)
     except Looked:
         return True
     except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: it never looked
@@ -98,6 +98,40 @@ def builds_document_masks(model: PreTrainedModel) -> bool:
     finally:
         masking_utils.find_packed_sequence_indices = find
     return False
+
+
+def _probe_forward(model: PreTrainedModel, positions_on_host: bool = True, **kwargs) -> None:
+    """`model`'s decoder on a packed row of 4 tokens, on the model's device (the meta device while it is
+    built: nothing is computed), the positions on the host or there too: what the probes watch."""
+    device = next(model.parameters()).device
+    positions = torch.tensor([[0, 1, 0, 1]], device="cpu" if positions_on_host else device)
+    decoder(model)[1](input_ids=torch.ones((1, 4), dtype=torch.long, device=device), position_ids=positions,
+                      use_cache=False, **kwargs)
+
+
+def _attention_takes_keywords(model: PreTrainedModel) -> bool:
+    """Whether `model`'s attention layers run through transformers' attention interface and are given
+    the keyword arguments of the model's call (context parallelism passes its mask so): its own
+    forward is run with a probe in the interface's place (`model`'s attention stays the probe: a copy)."""
+    class Reached(Exception):
+        pass
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        raise Reached(_PROBE in kwargs)  # the forward stops at the first attention layer
+
+    AttentionInterface.register(_PROBE, probe)
+    model.config._attn_implementation = _PROBE
+    try:
+        with torch.no_grad():
+            _probe_forward(model, positions_on_host=False, **{_PROBE: True})  # one device: the layers run
+    except Reached as reached:
+        return reached.args[0]
+    except Exception:  # noqa: BLE001 -- it failed before any attention layer (on meta: mixed devices)
+        pass
+    return False
+
+
+_PROBE = "sft_attention_probe"
 
 
 def check_packing(model: PreTrainedModel, packing: bool) -> None:
@@ -126,17 +160,28 @@ def enable_exact_packing(model: PreTrainedModel) -> None:
     model.sft_document_ends = True
 
 
-def cp_unsupported(model: PreTrainedModel, moe: bool) -> str | None:
-    """Why context parallelism cannot split this model's rows, or None (`moe`: a mixture-of-experts
-    model). The one rule: context parallelism refuses these, and the planner never suggests a
-    cp.degree for them."""
+def cp_unsupported(model: PreTrainedModel) -> str | None:
+    """Why context parallelism cannot split this model's rows, or None. The one rule: context
+    parallelism refuses these, and the planner never suggests a cp.degree for them. (Mixture-of-
+    experts blocks split: each token goes through its experts wherever it is, and the load-balancing
+    term counts the whole row, sft/models/moe.py.)"""
     config = model.config.get_text_config()
-    if moe:  # the load-balancing statistics count whole rows (sft/models/moe.py)
-        return "mixture-of-experts models are not supported yet"
     if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
         return f"{layers} carry state along the row"
     if not attends_fully(model):
-        return f"{type(model).__name__} has sliding-window or soft-capped attention layers"
+        partial = sorted(attention_kinds(config) - {"full_attention"}) or [
+            key for key in ("sliding_window", "attn_logit_softcapping") if getattr(config, key, None)]
+        return f"{type(model).__name__}'s attention sees part of the row or soft-caps it ({', '.join(partial)})"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout is not supported (set the model's attention_dropout to 0)"
+    # The probes run a copy (on meta: no data) under transformers' SDPA: the architecture, whatever
+    # attention this run chose (unpacked rows' causal SDPA builds no mask); and the layers before the
+    # first attention may reassign buffers (CTRL's positional encoding), which materialising would miss.
+    probed = copy.deepcopy(model)
+    probed.config._attn_implementation = "sdpa"
+    if not builds_document_masks(probed):  # positions of its own (learned, ALiBi), masks of its own
+        return f"{type(model).__name__} does not build its attention masks from the position ids (in this transformers)"
+    if not _attention_takes_keywords(probed):
+        return (f"{type(model).__name__}'s attention layers are not given the keyword arguments of the model's call "
+                "(in this transformers), through which context parallelism passes its mask")
     return None

@@ -153,7 +153,7 @@ class Shapes:
                    text.hidden_size, ffn, text.num_key_value_heads * head_dim,
                    text.num_attention_heads, text.vocab_size,
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
-                   block_experts, eager_expert_widths(model), cp_unsupported(model, moe=experts > 0) is None,
+                   block_experts, eager_expert_widths(model), cp_unsupported(model) is None,
                    text.num_attention_heads * head_dim, q_out == 2 * text.num_attention_heads * head_dim,
                    delta_blocks if delta_value_dim else (), delta_value_dim)
 

@@ -27,7 +27,7 @@ from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
 from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
-from sft.parallel.context_parallel import attention_mask, shard_rows
+from sft.parallel.context_parallel import attention_mask, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
 
@@ -189,11 +189,14 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
     the MoE handle of a mixture-of-experts model (sft/models/moe.py), whose load-balancing term joins
     the loss inside its blocks."""
     inputs = [loss_inputs(b, dims) for b in micro_batches]
+    # The real tokens of this rank's rows (for MoE), of its share of them under context parallelism.
+    real = [rank_share(b["real_tokens"].float(), dims) if dims is not None and dims.cp_enabled else b["real_tokens"]
+            for b in micro_batches] if moe else []
     # One all-reduce of the count before any backward: every micro-batch on every rank is
     # divided by the same global number of supervised tokens (and, for MoE, of real tokens).
     counts = [sum(len(x["target_ids"]) for x in inputs)]
     if moe:
-        counts.append(sum(int(b["real_tokens"].sum()) for b in micro_batches))
+        counts.append(sum(int(r.sum()) for r in real))
     counts = all_reduce_sum(counts, device)
     num_tokens = counts[0]
     if moe:
@@ -203,7 +206,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
             model.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
-            moe.begin_micro_batch(to_device(micro_batches[i]["real_tokens"], device))
+            moe.begin_micro_batch(to_device(real[i], device))
         loss = model.sft_loss(**on_device(batch, device))
         if moe:
             moe.end_micro_batch()  # before backward, which may recompute the blocks

@@ -236,6 +236,10 @@ MOE_RUNS = [
     ("moe ep 2 x fsdp 2", "moe", 4, ["--ep", "2"]),  # each ep rank's 4 experts FSDP-sharded over 2 ranks
     ("moe ep 4", "moe", 4, ["--ep", "4"]),
     ("gpt-oss ep 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager", "--ep", "2"]),
+    # Context parallelism: each row split over the cp ranks; the aux term counts the whole rows
+    ("moe cp 2", "moe", 2, ["--grad-accum", "4", "--cp", "2"]),
+    ("moe cp 2 x ep 2, packed rows", "moe", 2, ["--grad-accum", "4", "--cp", "2", "--ep", "2", "--packed"]),
+    ("moe cp 4, packed rows", "moe", 4, ["--grad-accum", "4", "--cp", "4", "--packed"]),
     ("ep: one rank's experts get no row", "moe", 2, ["--empty-experts-probe"]),
     # The state after a step at ep 2, saved with DCP, then loaded by a run at ep 1 (after its own step)
     ("ep 2 saves its state", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--save-state", "{out}/ep2-state"]),
@@ -250,7 +254,8 @@ MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference",
                   ("moe reference", "moe packed rows"), ("moe 1 expert reference", "moe 1 expert, 2 ranks"),
                   ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2"), ("moe reference", "moe ep 2"),
                   ("moe reference", "moe ep 2, packed rows"), ("moe reference", "moe ep 2 x fsdp 2"),
-                  ("moe reference", "moe ep 4"), ("gpt-oss reference", "gpt-oss ep 2")]
+                  ("moe reference", "moe ep 4"), ("gpt-oss reference", "gpt-oss ep 2"), ("moe reference", "moe cp 2"),
+                  ("moe reference", "moe cp 2 x ep 2, packed rows"), ("moe reference", "moe cp 4, packed rows")]
 
 
 @pytest.mark.slow
@@ -280,11 +285,13 @@ def test_expert_weights_shard_over_experts_or_their_rows(runs):
 
 @pytest.mark.slow
 def test_moe_aux_loss_is_layout_invariant(runs):
-    """(1 rank, grad-acc 4), (2 ranks, grad-acc 2) and the ep degrees 2 and 4 on one global batch: the
-    same aux loss and grad norm (no factor of world size, grad-accum steps or ep degree)."""
+    """(1 rank, grad-acc 4), (2 ranks, grad-acc 2), the ep degrees 2 and 4 and the cp degrees 2 and 4 on
+    one global batch: the same aux loss and grad norm (no factor of world size, grad-accum steps, ep
+    or cp degree)."""
     one = runs("moe 1 rank, grad-acc 4")
     assert one["aux_loss"] > 0
-    for name in ("moe 2 ranks, grad-acc 2", "moe ep 2", "moe ep 2 x fsdp 2", "moe ep 4"):
+    for name in ("moe 2 ranks, grad-acc 2", "moe ep 2", "moe ep 2 x fsdp 2", "moe ep 4", "moe cp 2",
+                 "moe cp 2 x ep 2, packed rows", "moe cp 4, packed rows"):
         assert runs(name)["aux_loss"] == pytest.approx(one["aux_loss"], rel=1e-6), name
         assert runs(name)["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), name  # float32 sums in another order
 

@@ -64,7 +64,7 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
     (["optim.master_dtype=bfloat16", "fsdp.param_dtype=bfloat16", "fsdp.reduce_dtype=bfloat16",
       "fsdp.replicate_degree=2"], "fsdp.replicate_degree > 1 (each replica would round its copy apart)"),
     (["optim.state_dtype=bfloat16", "fsdp.cpu_offload=true"], "bfloat16 moments do not combine with fsdp.cpu_offload"),
-    (["moe.ep_degree=2", "fsdp.replicate_degree=2"], "expert parallelism does not combine with cp.degree > 1, "
+    (["moe.ep_degree=2", "fsdp.replicate_degree=2"], "expert parallelism does not combine with "
                                                      "fsdp.replicate_degree > 1 or QLoRA's lora.base=nf4"),
     (["moe.ep_degree=2", "lora.rank=8", "lora.base=nf4"], "moe.ep_degree=2: expert parallelism does not combine"),
     ("model.attn_implementation=sdap", "model.attn_implementation='sdap': not an attention implementation "

@@ -2,6 +2,7 @@
 models whose rows cannot be split (end to end: tests/integration/test_context_parallel.py)."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +14,6 @@ from helpers import DEMO_MODEL
 from sft.config import ConfigError, ModelConfig
 from sft.models.packing import cp_unsupported
 from sft.parallel.context_parallel import apply_context_parallel, attention_mask, shard_rows, visible_keys
-from sft.models.moe import expert_shape
 from sft.parallel.mesh import ParallelDims
 from sft.models.build import build_meta_model
 
@@ -69,18 +69,18 @@ def test_the_gpu_block_mask_attends_as_the_whole_row_does():
 
 
 @pytest.mark.parametrize("model, reason", [
-    ("configs/models/qwen3-30b-a3b", "mixture-of-experts models are not supported yet"),
-    ({"use_sliding_window": True, "sliding_window": 64}, "has sliding-window or soft-capped attention layers"),
+    ("configs/models/qwen3.5-9b", "linear_attention layers (Qwen3_5GatedDeltaNet) carry state along the row"),
+    ({"use_sliding_window": True, "sliding_window": 64}, "attention sees part of the row or soft-caps it (sliding_window)"),
     ({"attention_dropout": 0.1}, "attention dropout is not supported"),
-], ids=["MoE", "sliding window", "attention dropout"])
+], ids=["Gated DeltaNet", "sliding window", "attention dropout"])
 def test_models_whose_rows_cannot_be_split_are_refused_by_name(model, reason, tmp_path):
     if isinstance(model, dict):  # the demo model with these config keys changed
         (tmp_path / "config.json").write_text(json.dumps({**json.loads((DEMO_MODEL / "config.json").read_text()),
                                                           **model}))
         model = str(tmp_path)
     meta = build_meta_model(ModelConfig(name_or_path=model))
-    moe = expert_shape(meta) is not None  # asked as train.py asks it: did apply_moe find experts
-    assert reason in cp_unsupported(meta, moe)
-    with pytest.raises(ConfigError, match=f"cp.degree=2: .*{reason}.*; use cp.degree=1"):
-        apply_context_parallel(meta, ParallelDims(2, cp=2), moe)
-    assert cp_unsupported(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), moe=False) is None
+    assert reason in cp_unsupported(meta)
+    with pytest.raises(ConfigError, match=f"cp.degree=2: .*{re.escape(reason)}.*; use cp.degree=1"):
+        apply_context_parallel(meta, ParallelDims(2, cp=2), None)
+    for accepted in (DEMO_MODEL, "configs/models/qwen3-30b-a3b"):  # mixture-of-experts blocks split too
+        assert cp_unsupported(build_meta_model(ModelConfig(name_or_path=str(accepted)))) is None

@@ -205,7 +205,7 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
     assert sys.modules[layer.__module__] in [m for found in restarting_modules(model).values() for m in found]
     check_packing(model, packing=True)
     assert model.sft_document_ends
-    assert cp_unsupported(model, moe=False) == f"{layers} carry state along the row"
+    assert cp_unsupported(model) == f"{layers} carry state along the row"
     documents = [torch.randint(3, 800, (n,), device=device) for n in (5, 70, 1)]  # shorter than the taps, over a
     decoder = model.get_decoder()  # 64-token chunk
     alone = [decoder(input_ids=d[None], position_ids=torch.arange(len(d), device=device)[None],
@@ -264,7 +264,7 @@ def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_pat
         check_packing(lfm2, packing=True)
     hybrid = build_meta_model(ModelConfig(name_or_path=str(gated_deltanet_model_dir(tmp_path))))
     check_packing(hybrid, packing=True)
-    assert cp_unsupported(hybrid, moe=False) == ("Qwen3_5ForCausalLM's linear_attention layers (Qwen3_5GatedDeltaNet) "
+    assert cp_unsupported(hybrid) == ("Qwen3_5ForCausalLM's linear_attention layers (Qwen3_5GatedDeltaNet) "
                                                  "carry state along the row")
     check_packing(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), packing=True)
 

@@ -179,20 +179,22 @@ def test_planner_names_the_smallest_cp_degree_that_fits(qwen7b, gpus, gib, token
 
 
 def test_planner_never_splits_rows_of_a_model_context_parallelism_refuses():
-    """Qwen3-30B-A3B (MoE, refused by sft/parallel/context_parallel.py:unsupported) at 64k tokens on 8 x 80 GB:
-    cp 2 would fit by its memory, but only cp 1 is considered, and plan.auto says nothing fits."""
+    """Qwen3.5-9B (Gated DeltaNet layers: refused by sft/models/packing.py:cp_unsupported) at 128k
+    tokens on 8 x 80 GB: cp 2 would fit by its memory, but only cp 1 is considered, and plan.auto
+    says nothing fits. A mixture-of-experts model's rows split."""
     from sft.config import load_config
     from sft.plan import apply_auto_plan, smallest_cp
 
-    overrides = ["data.path=unused.parquet", "model.name_or_path=configs/models/qwen3-30b-a3b",
-                 "data.max_seq_len=65536", "train.micro_batch_size=1"]
+    overrides = ["data.path=unused.parquet", "model.name_or_path=configs/models/qwen3.5-9b",
+                 "data.max_seq_len=131072", "train.micro_batch_size=1"]
     cfg = load_config(REPO / "configs/bench/p7b.yaml", overrides, local_checks=False)
-    moe = Shapes.of(build_meta_model(cfg.model))
-    assert not moe.context_parallel
-    assert smallest_cp(moe, cfg, Machine.of(8, 79.1, 1000)) is None
-    assert smallest_cp(dataclasses.replace(moe, context_parallel=True), cfg, Machine.of(8, 79.1, 1000)) == 2
+    hybrid = Shapes.of(build_meta_model(cfg.model))
+    assert not hybrid.context_parallel
+    assert smallest_cp(hybrid, cfg, Machine.of(8, 79.1, 1000)) is None
+    assert smallest_cp(dataclasses.replace(hybrid, context_parallel=True), cfg, Machine.of(8, 79.1, 1000)) == 2
     with pytest.raises(ConfigError, match="nothing fits"):
         apply_auto_plan(cfg, gpus=8, gpu_mem_gib=79.1, host_mem_gib=1000)
+    assert Shapes.of(build_meta_model(ModelConfig(name_or_path="configs/models/qwen3-30b-a3b"))).context_parallel
 
 
 def test_auto_plan_splits_rows_that_do_not_fit(tmp_path):
