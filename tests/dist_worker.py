@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, env) -> dict:
     elif args.reference:
         materialize(model, buffers, env.device)
         load_weights(model, initial_weights(model_cfg, 0, model), env.device)
-        batch = collate(samples, pad_token_id=0, max_seq_len=4096)
+        batch = {k: v.to(env.device) for k, v in collate(samples, pad_token_id=0, max_seq_len=4096).items()}
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"]).loss
         loss.backward()
         result["loss"] = loss.item()
@@ -287,7 +287,8 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
     materialize(model, buffers, device)
     load_weights(model, initial_weights(model_cfg, 0, model), device)
     config = model.config
-    batches = [collate(samples[i : i + micro], 0, 4096) for i in range(0, len(samples), micro)]
+    batches = [{k: v.to(device) for k, v in collate(samples[i : i + micro], 0, 4096).items()}
+               for i in range(0, len(samples), micro)]
     supervised = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     real = sum(int(b["real_tokens"].sum()) for b in batches)
     ce, aux = 0.0, 0.0

@@ -90,7 +90,8 @@ def moe_model_dir(tmp: Path, **overrides) -> Path:
 
 
 def gpt_oss_model_dir(tmp: Path) -> Path:
-    """A tiny gpt-oss (4 experts, 2 per token, sliding and full attention) with the demo tokenizer."""
+    """A tiny gpt-oss (4 experts, 2 per token, sliding and full attention, a window of 8 tokens: shorter
+    than the test rows, so that it binds) with the demo tokenizer."""
     from transformers import GptOssConfig
 
     out = tmp / "model_gpt_oss"
@@ -98,7 +99,7 @@ def gpt_oss_model_dir(tmp: Path) -> Path:
         shutil.copytree(DEMO_MODEL, out)
         GptOssConfig(vocab_size=899, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                     eos_token_id=2, pad_token_id=0, tie_word_embeddings=False).save_pretrained(out)
+                     sliding_window=8, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False).save_pretrained(out)
     return out
 
 

@@ -29,7 +29,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
 
 from sft.errors import UserError
-from sft.models.build import attends_fully, decoder
+from sft.models.build import decoder
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
 from sft.models.layers import attention_kinds, stateful_kinds
 
@@ -168,10 +168,8 @@ def cp_unsupported(model: PreTrainedModel) -> str | None:
     config = model.config.get_text_config()
     if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
         return f"{layers} carry state along the row"
-    if not attends_fully(model):
-        partial = sorted(attention_kinds(config) - {"full_attention"}) or [
-            key for key in ("sliding_window", "attn_logit_softcapping") if getattr(config, key, None)]
-        return f"{type(model).__name__}'s attention sees part of the row or soft-caps it ({', '.join(partial)})"
+    if partial := sorted(attention_kinds(config) - {"full_attention", "sliding_attention"}):  # chunks, an indexer
+        return f"{type(model).__name__}'s {', '.join(partial)} layers see parts of the row of their own choosing"
     if getattr(config, "attention_dropout", 0.0):
         return "attention dropout is not supported (set the model's attention_dropout to 0)"
     # The probes run a copy (on meta: no data) under transformers' SDPA: the architecture, whatever
@@ -179,8 +177,12 @@ def cp_unsupported(model: PreTrainedModel) -> str | None:
     # first attention may reassign buffers (CTRL's positional encoding), which materialising would miss.
     probed = copy.deepcopy(model)
     probed.config._attn_implementation = "sdpa"
-    if not builds_document_masks(probed):  # positions of its own (learned, ALiBi), masks of its own
-        return f"{type(model).__name__} does not build its attention masks from the position ids (in this transformers)"
+    # Positions from the position ids: rotary embeddings are computed from them, and a model that builds its
+    # masks from them reads them (refused: ALiBi, positions counted from the input's shape)
+    rotary = any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules())
+    if not (rotary or builds_document_masks(probed)):
+        return (f"{type(model).__name__} neither takes rotary positions from the position ids nor builds its masks "
+                "from them (in this transformers)")
     if not _attention_takes_keywords(probed):
         return (f"{type(model).__name__}'s attention layers are not given the keyword arguments of the model's call "
                 "(in this transformers), through which context parallelism passes its mask")

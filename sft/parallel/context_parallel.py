@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, create_mask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
 
 from sft.config import ConfigError
@@ -53,10 +53,9 @@ if TYPE_CHECKING:
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 # The attention implementation name under which transformers calls `_attention`.
 CP_ATTENTION = "sft_context_parallel"
-# What an attention layer may pass that changes its result and `_attention` does not apply (attention
-# sinks, a soft cap, a window): a layer that passes one is refused (cp_unsupported refuses the
-# models whose config says so before anything is built; this catches the rest).
-_NOT_APPLIED = ("s_aux", "sinks", "softcap", "sliding_window")
+# What an attention layer may pass that changes its result and `_attention` does not apply (a
+# position bias): a layer that passes one is refused.
+_NOT_APPLIED = ("position_bias",)
 
 
 def _chunks(degree: int, cp_rank: int, chunk: int) -> torch.Tensor:
@@ -95,19 +94,27 @@ def shard_rows(rows: dict[str, torch.Tensor],
 
 
 def visible_keys(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
-                 key_doc: torch.Tensor):
+                 key_doc: torch.Tensor, window: int | None = None):
     """The mask as a flex-attention mask_mod: local query q sees gathered key k when k comes no later
-    in the whole row and belongs to the same document."""
+    in the whole row and belongs to the same document (and, with a sliding `window`, is one of the
+    `window` last tokens up to q: transformers' sliding window)."""
     def sees(b, h, q, k):
-        return (key_index[k] <= query_index[q]) & (key_doc[b, k] == query_doc[b, q])
+        seen = (key_index[k] <= query_index[q]) & (key_doc[b, k] == query_doc[b, q])
+        return seen if window is None else seen & (query_index[q] - key_index[k] < window)
     return sees
 
 
-def attention_mask(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
-                   key_doc: torch.Tensor) -> BlockMask | torch.Tensor:
-    """Which gathered keys each local query sees (the arguments from `shard_rows`, on the device):
-    a flex-attention block mask on GPUs, the same mask as a dense [rows, 1, q, k] tensor on CPU."""
-    sees = visible_keys(query_index, key_index, query_doc, key_doc)
+def attention_masks(windows: tuple[int | None, ...], query_index: torch.Tensor, key_index: torch.Tensor,
+                    query_doc: torch.Tensor, key_doc: torch.Tensor) -> dict[int | None, BlockMask | torch.Tensor]:
+    """Which gathered keys each local query sees, for each of the model's attention `windows` (None:
+    the whole row), from the layout `shard_rows` returns (on the device): flex-attention block masks
+    on GPUs, the same masks as dense [rows, 1, q, k] tensors on CPU."""
+    return {window: _attention_mask(visible_keys(query_index, key_index, query_doc, key_doc, window),
+                                    query_index, key_index, query_doc) for window in windows}
+
+
+def _attention_mask(sees, query_index: torch.Tensor, key_index: torch.Tensor,
+                    query_doc: torch.Tensor) -> BlockMask | torch.Tensor:
     rows, queries, keys, device = query_doc.shape[0], query_index.shape[0], key_index.shape[0], query_doc.device
     if device.type == "cpu":
         return create_mask(sees, rows, None, queries, keys, device=device)
@@ -124,40 +131,112 @@ def _compiled_flex_attention():
 
 def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, *,
-               group_name: str, cp_mask: BlockMask | torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+               group_name: str, cp_masks: dict | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q [rows, heads, local, dim], k/v [rows, kv heads, local,
-    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row. `dropout` is
-    always 0: models with attention dropout are refused (`cp_unsupported`)."""
-    if cp_mask is None:
-        raise RuntimeError("context-parallel attention called without cp_mask (use model.sft_loss)")
+    dim] -> ([rows, local, heads, dim], None), attending to the keys of the whole row, within the
+    layer's `sliding_window`, its logits soft-capped at `softcap`, with gpt-oss's attention sinks
+    (`s_aux`, a logit per head that takes its share of the softmax): keyword arguments the layers
+    pass. `dropout` is always 0: models with attention dropout are refused (`cp_unsupported`)."""
+    sliding_window, softcap, sinks = (kwargs.get(key) for key in ("sliding_window", "softcap", "s_aux"))
+    if cp_masks is None:
+        raise RuntimeError("context-parallel attention called without cp_masks (use model.sft_loss)")
     if changed := sorted(key for key in _NOT_APPLIED if kwargs.get(key) is not None):
         raise ConfigError(f"cp.degree: {type(module).__name__} passes {', '.join(changed)} to its attention, which "
                           "context parallelism does not apply; use cp.degree=1")
+    # A layer that keeps its window for a mask of transformers' own and does not pass it would attend to too much
+    if sliding_window not in cp_masks or getattr(module, "sliding_window", sliding_window) != sliding_window:
+        raise ConfigError(f"cp.degree: {type(module).__name__} attends within a window of {sliding_window} tokens, "
+                          f"not the config's sliding_window ({[w for w in cp_masks if w]}); use cp.degree=1")
     # One collective for K and V, side by side on the last dim (multi-head latent attention's are of
     # two widths), gathered along dim 0 (the only dim every torch version gathers along without an
     # extra copy): [local, rows, kv heads, k dim + v dim] -> [whole row, ...].
     local = torch.cat([key, value], dim=-1).movedim(2, 0).contiguous()
-    key, value = _all_gather_autograd(local, 0, group_name).movedim(0, 2).split(
-        [key.shape[-1], value.shape[-1]], dim=-1)
-    if isinstance(cp_mask, BlockMask):  # the kernel reads K/V in blocks of the sequence: make them contiguous
-        out = _compiled_flex_attention()(query, key.contiguous(), value.contiguous(), block_mask=cp_mask,
-                                         scale=scaling, enable_gqa=True)
-    else:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=cp_mask, scale=scaling,
+    gathered = _GradientContiguous.apply(_all_gather_autograd(local, 0, group_name))
+    key, value = gathered.movedim(0, 2).split([key.shape[-1], value.shape[-1]], dim=-1)
+    mask = cp_masks[sliding_window]
+    if isinstance(mask, BlockMask):
+        out = _flex_attention(query, key, value, mask, scaling, softcap, sinks)
+    elif softcap is None and sinks is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = _eager_attention(query, key, value, mask, scaling, softcap, sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
-def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: MoE | None) -> None:
+def _soft_capped(score: torch.Tensor, b, h, q, k, cap: float) -> torch.Tensor:
+    """Flex attention's score_mod for a soft cap (a partial of this function: a closure made inside a
+    compiled checkpointed block lost its cap, H200, torch 2.11)."""
+    return cap * torch.tanh(score / cap)
+
+
+class _GradientContiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the all-gather's backward is a
+    reduce-scatter, which NCCL takes only contiguous, and the gradient of the gathered K/V arrives
+    permuted (`movedim`) from attention. (Compiled blocks made it contiguous on their own; eager
+    ones failed on GPUs, gloo took it as it was.)"""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask,
+                    scale: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Flex attention (GPUs), the soft cap as its score_mod; attention sinks renormalise its output
+    by the log-sum-exp, as transformers' flex attention does: out x exp(lse) / (exp(lse) + exp(sink))."""
+    # The kernel reads K/V in blocks of the sequence: make them contiguous.
+    out = _compiled_flex_attention()(query, key.contiguous(), value.contiguous(), block_mask=mask, scale=scale,
+                                     score_mod=functools.partial(_soft_capped, cap=softcap) if softcap else None,
+                                     enable_gqa=True,
+                                     return_aux=AuxRequest(lse=True) if sinks is not None else None)
+    if sinks is None:
+        return out
+    out, aux = out
+    return out * torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+
+
+def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scale: float | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The same in plain operations (CPU, where SDPA takes no soft cap or sinks), as transformers'
+    eager attention computes them."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(-1, -2) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column per head, which no value follows
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(value.dtype)
+    return probs[..., : key.shape[2]] @ value
+
+
+def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: MoE | None,
+                           checkpointed_compiled: bool = False) -> None:
     """Route the model's attention through `_attention` over the mesh's cp group (before anything
     wraps or compiles the blocks). transformers then builds no mask of its own: `sft_loss` passes
-    `cp_mask` down to every attention call. A mixture-of-experts model's load-balancing term
-    counts the whole rows, over the cp group (`moe`, the MoE handle)."""
+    `cp_masks` down to every attention call. A mixture-of-experts model's load-balancing term
+    counts the whole rows, over the cp group (`moe`, the MoE handle). `checkpointed_compiled`: the
+    blocks will be compiled and checkpointed."""
     reason = cp_unsupported(model)
     if reason:
         raise ConfigError(f"cp.degree={dims.cp}: {reason}; use cp.degree=1")
+    if checkpointed_compiled and getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+        # Measured on 2 x H200 (torch 2.11): Gemma-2's loss 2e-5 and its gradients 1.8% away from cp 1's
+        # (compiled without checkpointing, or neither, they agree to 1e-6; Gemma-3 without a soft cap too)
+        raise ConfigError(f"cp.degree={dims.cp} with compile.enabled=true and ac.ratio > 0: {type(model).__name__}'s "
+                          "soft-capped attention computes otherwise in compiled checkpointed blocks on GPUs; set "
+                          "ac.ratio=0 or compile.enabled=false")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=dims.cp_group_name))
     model.config._attn_implementation = CP_ATTENTION
+    # The windows its layers attend within (None: the whole row), one mask each per forward (sft_loss)
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    model.sft_cp_windows = (None, window) if window else (None,)
     if moe is not None:
         moe.count_rows_over(dims.cp_group_name)
     log0(f"applied context parallelism: each row split over {dims.cp} ranks (head-tail), K/V all-gathered")

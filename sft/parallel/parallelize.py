@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
     its experts placed by expert parallelism and sharded by its placement); `lora` the handle
     apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
-        apply_context_parallel(model, dims, moe)
+        apply_context_parallel(model, dims, moe, checkpointed_compiled=compile_blocks and ac.ratio > 0)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
         apply_expert_parallel(moe, dims)
     if float8 != "none":

@@ -27,7 +27,7 @@ from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
 from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
-from sft.parallel.context_parallel import attention_mask, rank_share, shard_rows
+from sft.parallel.context_parallel import attention_masks, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
 
@@ -146,7 +146,7 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
     document ends reach the layers that carry state (sft/models/gated_deltanet.py); attention
     keeps documents apart by their positions."""
-    extra = {"cp_mask": attention_mask(**cp_layout)} if cp_layout else {}
+    extra = {"cp_masks": attention_masks(self.sft_cp_windows, **cp_layout)} if cp_layout else {}
     if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
         on_host = torch.tensor(document_ends)
         extra[DOCUMENT_ENDS] = DocumentEnds(on_host, to_device(on_host, input_ids.device))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import (gated_deltanet_model_dir, gpt_oss_model_dir, model_dir, moe_model_dir, run_demo, run_torchrun,
-                     saved_model_dir, short_convolution_model_dir)
+                     saved_model_dir, short_convolution_model_dir, tiny_model_dir)
 from sft.training.metrics import read_metrics
 
 
@@ -20,7 +20,11 @@ def models(tmp_path_factory) -> dict[str, Path]:
             # Qwen3.5's Gated DeltaNet layers (state along the row) and attention: packed rows restart it per document
             "hybrid": gated_deltanet_model_dir(tmp),
             # LFM2's short convolutions between attention layers: packed rows restart them per document
-            "short conv": short_convolution_model_dir(tmp)}
+            "short conv": short_convolution_model_dir(tmp),
+            # a sliding window of 8 tokens (shorter than the rows) beside full attention; Gemma-2's logits soft-capped
+            **{family: tiny_model_dir(tmp, f"{family}_text" if family == "gemma3" else family, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+               for family in ("gemma3", "gemma2")}}
 
 
 def launch(out: Path, nproc: int, runs: dict[str, list[str]]) -> None:
@@ -65,6 +69,10 @@ EQUIVALENT = [
     ("gated deltanet, packed, checkpointed and compiled", "hybrid", 2,
      ["--grad-accum", "4", "--packed", "--ac-ratio", "1", "--compile"], 1e-5, 1e-7),
     ("short convolutions, 2 ranks, packed rows", "short conv", 2, ["--grad-accum", "4", "--packed"], 1e-5, 1e-7),
+    # Context parallelism honours each layer's sliding window and soft cap across the ranks' chunks
+    ("cp 2, sliding window (Gemma-3), packed rows", "gemma3", 2, ["--cp", "2", "--grad-accum", "4", "--packed"],
+     1e-5, 1e-7),
+    ("cp 2, sliding window and soft cap (Gemma-2)", "gemma2", 2, ["--cp", "2", "--grad-accum", "2"], 1e-5, 1e-7),
 ]
 
 
@@ -160,7 +168,8 @@ def runs(tmp_path_factory, models):
     state per run (seed, compile caches); every run uses the same global batch."""
     out = tmp_path_factory.mktemp("runs")
     model = {tie: ["--model", str(path)] for tie, path in models.items()}
-    launches = {1: {f"reference {tie}": [*model[tie], "--reference"] for tie in ("tied", "untied", "hybrid", "short conv")}, 4: {},
+    launches = {1: {f"reference {tie}": [*model[tie], "--reference", *(["--attn", "eager"] if "gemma" in tie else [])]
+                    for tie in ("tied", "untied", "hybrid", "short conv", "gemma3", "gemma2")}, 4: {},
                 2: {"bf16 compute": [*model["untied"], "--param-dtype", "bfloat16"],
                     "compiled, ratio 0.5": [*model["untied"], "--ac-ratio", "0.5", "--compile"],
                     "cp leakage probe": [*model["untied"], "--cp", "2", "--leakage-probe"]}}
@@ -240,6 +249,7 @@ MOE_RUNS = [
     ("moe cp 2", "moe", 2, ["--grad-accum", "4", "--cp", "2"]),
     ("moe cp 2 x ep 2, packed rows", "moe", 2, ["--grad-accum", "4", "--cp", "2", "--ep", "2", "--packed"]),
     ("moe cp 4, packed rows", "moe", 4, ["--grad-accum", "4", "--cp", "4", "--packed"]),
+    ("gpt-oss cp 2", "gpt-oss", 2, ["--grad-accum", "4", "--attn", "eager", "--cp", "2"]),  # the window, the sinks
     ("ep: one rank's experts get no row", "moe", 2, ["--empty-experts-probe"]),
     # The state after a step at ep 2, saved with DCP, then loaded by a run at ep 1 (after its own step)
     ("ep 2 saves its state", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--save-state", "{out}/ep2-state"]),
@@ -255,7 +265,8 @@ MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference",
                   ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2"), ("moe reference", "moe ep 2"),
                   ("moe reference", "moe ep 2, packed rows"), ("moe reference", "moe ep 2 x fsdp 2"),
                   ("moe reference", "moe ep 4"), ("gpt-oss reference", "gpt-oss ep 2"), ("moe reference", "moe cp 2"),
-                  ("moe reference", "moe cp 2 x ep 2, packed rows"), ("moe reference", "moe cp 4, packed rows")]
+                  ("moe reference", "moe cp 2 x ep 2, packed rows"), ("moe reference", "moe cp 4, packed rows"),
+                  ("gpt-oss reference", "gpt-oss cp 2")]
 
 
 @pytest.mark.slow
