@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
 from sft.errors import UserError
@@ -143,6 +144,31 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+class _GradientContiguous(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: an all-gather's backward is a
+    reduce-scatter, which NCCL takes only contiguous (gloo takes any), and the gradient of a gathered
+    tensor that is then permuted (`movedim`) arrives permuted."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+# Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+
+def gather_along(tensor: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Every rank's `tensor` of the group, concatenated in rank order along `dim`; differentiable
+    (each rank gets back the gradient of its own part) and traceable by torch.compile."""
+    local = tensor.movedim(dim, 0).contiguous()  # gathered along dim 0: no extra copy on any torch version
+    return _GradientContiguous.apply(_all_gather_autograd(local, 0, group_name)).movedim(0, dim)
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:

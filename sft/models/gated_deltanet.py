@@ -43,7 +43,7 @@ from packaging.version import Version
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from sft.distributed import log0
+from sft.distributed import gather_along, log0
 from sft.errors import UserError
 
 # The keyword argument that carries the documents' ends to the layers (cumulative over the flattened rows).
@@ -58,6 +58,30 @@ class DocumentEnds(NamedTuple):
     the device tensor's identity and computes them from the host one: no GPU sync, once a forward."""
     on_host: torch.Tensor
     on_device: torch.Tensor
+
+
+# The keyword argument that carries context parallelism's `RowParts` to the layers
+CP_ROWS = "sft_cp_rows"
+
+
+class RowParts(NamedTuple):
+    """Context parallelism: this rank holds parts of each row (sft/parallel/context_parallel.py), and a
+    layer that carries state runs the whole row: its inputs are gathered over the cp group
+    (`group_name`), put in row order (`row_order`: whole-row position -> gathered position), run as
+    the whole row (the documents' `ends` of the whole rows, for packed rows), and this rank keeps its
+    own tokens' outputs (`mine`: their whole-row positions, in this rank's order). Every rank runs
+    the layer's recurrence over the whole row: exact, and the layer's gradient reaches each rank's
+    tokens through the gather's backward."""
+    group_name: str
+    row_order: torch.Tensor
+    mine: torch.Tensor
+    ends: DocumentEnds | None
+
+    def whole(self, local: torch.Tensor, dim: int) -> torch.Tensor:
+        return gather_along(local, dim, self.group_name).index_select(dim, self.row_order)
+
+    def part(self, whole: torch.Tensor, dim: int) -> torch.Tensor:
+        return whole.index_select(dim, self.mine)
 
 
 class KernelError(UserError):
@@ -195,6 +219,9 @@ def _conv_by_document(original, kernels: SimpleNamespace | None, unpacked_on_fla
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          activation: str | None = None, **kwargs) -> torch.Tensor:
+        if (parts := kwargs.pop(CP_ROWS, None)) is not None:  # [B, C, T]: the whole rows' taps
+            return parts.part(causal_conv1d_fn(parts.whole(hidden_states, 2), weight, bias, activation,
+                                               **{**kwargs, DOCUMENT_ENDS: parts.ends}), 2)
         ends = kwargs.get(DOCUMENT_ENDS)
         # hidden_states [B, C, T] (a transposed view of [B, T, C]), weight [C, K]
         if (kernels is not None and hidden_states.is_cuda and activation in FLA_CONV_ACTIVATIONS
@@ -233,6 +260,10 @@ def _delta_rule_by_document(original, kernels: SimpleNamespace | None):
 
     @functools.wraps(original)
     def chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        if (parts := kwargs.pop(CP_ROWS, None)) is not None:  # [B, T, ...]: the whole rows' recurrence
+            out, _ = chunk_gated_delta_rule(*(parts.whole(t, 1) for t in (query, key, value, g, beta)),
+                                            **{**kwargs, DOCUMENT_ENDS: parts.ends})
+            return parts.part(out, 1), None
         ends = kwargs.pop(DOCUMENT_ENDS, None)
         fla = kernels if query.is_cuda else None
         if ends is None:
@@ -269,6 +300,10 @@ def _kimi_delta_by_document(original, kernels: SimpleNamespace | None):
 
     @functools.wraps(original)
     def chunk_kimi_delta_attention(query, key, value, g, beta, **kwargs):
+        if (parts := kwargs.pop(CP_ROWS, None)) is not None:  # [B, T, ...]: the whole rows' recurrence
+            out, _ = chunk_kimi_delta_attention(*(parts.whole(t, 1) for t in (query, key, value, g, beta)),
+                                                **{**kwargs, DOCUMENT_ENDS: parts.ends})
+            return parts.part(out, 1), None
         ends = kwargs.pop(DOCUMENT_ENDS, None)
         function = original if query.is_cuda else reference  # (transformers' choice may be fla: GPU-only)
         if ends is None:

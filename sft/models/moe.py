@@ -50,7 +50,7 @@ class MoEError(UserError):
     """A mixture-of-experts model that cannot be trained as it is; the message names the fix."""
 
 
-def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module holding fused experts (`experts.gate_up_proj`), any layout."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(getattr(getattr(module, "experts", None), "gate_up_proj", None), nn.Parameter)]
@@ -58,7 +58,7 @@ def _sparse_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
     """(experts per block, experts per token, expert intermediate size), None for a dense model."""
-    sparse = _sparse_modules(model)
+    sparse = sparse_modules(model)
     if not sparse:
         return None
     config = model.config.get_text_config()
@@ -86,12 +86,12 @@ def takes_our_path(block: nn.Module) -> bool:
 def routed_experts(blocks: list[nn.Module]) -> list[nn.Module]:
     """The experts modules of the sparse blocks in `blocks` that take our path (their fused weights
     are what LoRA's `experts` target adapts)."""
-    return [module.experts for block in blocks for _, module in _sparse_modules(block) if takes_our_path(module)]
+    return [module.experts for block in blocks for _, module in sparse_modules(block) if takes_our_path(module)]
 
 
 def general_path_blocks(blocks: list[nn.Module]) -> str | None:
     """The class of the sparse blocks in `blocks` that take the general path, if any."""
-    return next((type(module).__name__ for block in blocks for _, module in _sparse_modules(block)
+    return next((type(module).__name__ for block in blocks for _, module in sparse_modules(block)
                  if not takes_our_path(module)), None)
 
 
@@ -172,7 +172,7 @@ def eager_expert_widths(model: nn.Module) -> int:
     what the gate activation saves (SiLU-gated: 1; gpt-oss's clamped SwiGLU: 4) and the down
     projection's input. Counted by running the model's own activation on a few rows; 0 for a dense
     model or one on the general path."""
-    sparse = _sparse_modules(model)
+    sparse = sparse_modules(model)
     if not sparse or not takes_our_path(sparse[0][1]):
         return 0
     experts = sparse[0][1].experts
@@ -215,7 +215,7 @@ _CORRECTION_BIAS = "e_score_correction_bias"
 def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
     """Make each sparse block of a (meta-device) model ours (or leave it to the general path) and
     give the routers their switches; return the handle the recipe passes on, None for a dense model."""
-    sparse = _sparse_modules(model)
+    sparse = sparse_modules(model)
     if not sparse:
         if cfg.ep_degree > 1:
             raise MoEError(f"moe.ep_degree={cfg.ep_degree}: {type(model).__name__} has no mixture-of-experts blocks; "
@@ -266,7 +266,7 @@ def parameters_per_token(model: nn.Module) -> tuple[int, int]:
     MFU numerator counts these (sft/training/metrics.py: flops_per_token)."""
     config = model.config.get_text_config()
     routed = {id(p): config.num_experts_per_tok / module.experts.num_experts
-              for _, module in _sparse_modules(model) for p in module.experts.parameters()}
+              for _, module in sparse_modules(model) for p in module.experts.parameters()}
     counts = [0.0, 0.0]
     for p in model.parameters():
         counts[not p.requires_grad] += p.numel() * routed.get(id(p), 1.0)

@@ -32,6 +32,7 @@ from sft.errors import UserError
 from sft.models.build import decoder
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
 from sft.models.layers import attention_kinds, stateful_kinds
+from sft.models.moe import sparse_modules
 
 # Mixers that carry state along a row, by a part of their class name (for configs that name no layer kinds).
 _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAttention", "LinearAttention",
@@ -121,17 +122,26 @@ def _attention_takes_keywords(model: PreTrainedModel) -> bool:
 
     AttentionInterface.register(_PROBE, probe)
     model.config._attn_implementation = _PROBE
+    # What may come before the first attention layer and cannot run on the meta device (a hybrid's layers
+    # that carry state, routed experts): passed through
+    mixers = tuple(_stateful_mixers(model).values())
+    for module in [m for m in model.modules() if isinstance(m, mixers)] + [m for _, m in sparse_modules(model)]:
+        module.forward = _passed_through
     try:
         with torch.no_grad():
             _probe_forward(model, positions_on_host=False, **{_PROBE: True})  # one device: the layers run
     except Reached as reached:
         return reached.args[0]
     except Exception:  # noqa: BLE001 -- it failed before any attention layer (on meta: mixed devices)
-        pass
-    return False
+        return False
+    return True  # no layer attends: nothing to pass
 
 
 _PROBE = "sft_attention_probe"
+
+
+def _passed_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return hidden_states
 
 
 def check_packing(model: PreTrainedModel, packing: bool) -> None:
@@ -166,7 +176,8 @@ def cp_unsupported(model: PreTrainedModel) -> str | None:
     experts blocks split: each token goes through its experts wherever it is, and the load-balancing
     term counts the whole row, sft/models/moe.py.)"""
     config = model.config.get_text_config()
-    if layers := stateful_layers(model):  # their state would have to pass from one cp rank to the next
+    # Layers that carry state run the whole row where they restart per document (RowParts); others not
+    if (layers := stateful_layers(model)) and not _packs_exactly(model):
         return f"{layers} carry state along the row"
     if partial := sorted(attention_kinds(config) - {"full_attention", "sliding_attention"}):  # chunks, an indexer
         return f"{type(model).__name__}'s {', '.join(partial)} layers see parts of the row of their own choosing"

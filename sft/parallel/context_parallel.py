@@ -20,7 +20,8 @@ future) cost nothing. On CPU (tests) the same mask is a dense boolean tensor for
 attention has no CPU backward.
 
 Mixture-of-experts blocks run on each rank's tokens (expert parallelism sends them from wherever
-they are); the load-balancing term counts the whole rows (sft/models/moe.py).
+they are); the load-balancing term counts the whole rows (sft/models/moe.py). Layers that carry
+state run the whole rows from gathered inputs (sft/models/gated_deltanet.py: RowParts).
 
 Loss. Each rank sums the cross-entropy of its own supervised tokens and divides by the global
 count (sft/training/loss.py): every token is counted on exactly one rank, FSDP sums the gradients
@@ -36,21 +37,19 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as funcol
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, create_mask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
 
 from sft.config import ConfigError
 from sft.data.masking import IGNORE_INDEX
-from sft.distributed import log0
+from sft.distributed import gather_along, log0
+from sft.models.gated_deltanet import document_ends
 from sft.models.packing import cp_unsupported
 from sft.parallel.mesh import ParallelDims
 
 if TYPE_CHECKING:
     from sft.models.moe import MoE
 
-# Autograd-aware all-gather (backward: reduce-scatter), traceable by compile; renamed in torch 2.13.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 # The attention implementation name under which transformers calls `_attention`.
 CP_ATTENTION = "sft_context_parallel"
 # What an attention layer may pass that changes its result and `_attention` does not apply (a
@@ -76,10 +75,11 @@ def rank_share(values: torch.Tensor, dims: ParallelDims, fill: int = 0) -> torch
     return padded[:, _chunks(dims.cp, dims.cp_rank, padded.shape[1] // (2 * dims.cp))]
 
 
-def shard_rows(rows: dict[str, torch.Tensor],
-               dims: ParallelDims) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def shard_rows(rows: dict[str, torch.Tensor], dims: ParallelDims
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor | None]:
     """(this rank's share of {input_ids, position_ids, targets} [rows x length], the layout
-    `attention_mask` needs). Rows are padded at the end to a multiple of 2 * cp; the padding
+    `attention_masks` needs, the whole rows' document ends for the layers that carry state or None:
+    sft/models/gated_deltanet.py). Rows are padded at the end to a multiple of 2 * cp; the padding
     continues the last document's positions and is never a target, so it changes nothing."""
     position_ids = rows["position_ids"]
     extra = _padding(position_ids.shape[1], dims)
@@ -90,7 +90,8 @@ def shard_rows(rows: dict[str, torch.Tensor],
     keys = torch.cat([_chunks(dims.cp, r, chunk) for r in range(dims.cp)])  # the all-gather's order
     return ({"input_ids": rank_share(rows["input_ids"], dims),  # any id: never a target, never attended to
              "position_ids": position_ids[:, mine], "targets": rank_share(rows["targets"], dims, IGNORE_INDEX)},
-            {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]})
+            {"query_index": mine, "key_index": keys, "query_doc": document[:, mine], "key_doc": document[:, keys]},
+            document_ends(position_ids))
 
 
 def visible_keys(query_index: torch.Tensor, key_index: torch.Tensor, query_doc: torch.Tensor,
@@ -148,11 +149,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ConfigError(f"cp.degree: {type(module).__name__} attends within a window of {sliding_window} tokens, "
                           f"not the config's sliding_window ({[w for w in cp_masks if w]}); use cp.degree=1")
     # One collective for K and V, side by side on the last dim (multi-head latent attention's are of
-    # two widths), gathered along dim 0 (the only dim every torch version gathers along without an
-    # extra copy): [local, rows, kv heads, k dim + v dim] -> [whole row, ...].
-    local = torch.cat([key, value], dim=-1).movedim(2, 0).contiguous()
-    gathered = _GradientContiguous.apply(_all_gather_autograd(local, 0, group_name))
-    key, value = gathered.movedim(0, 2).split([key.shape[-1], value.shape[-1]], dim=-1)
+    # two widths): [rows, kv heads, local, k dim + v dim] -> [..., whole row, ...] in the gather's order.
+    gathered = gather_along(torch.cat([key, value], dim=-1), 2, group_name)
+    key, value = gathered.split([key.shape[-1], value.shape[-1]], dim=-1)
     mask = cp_masks[sliding_window]
     if isinstance(mask, BlockMask):
         out = _flex_attention(query, key, value, mask, scaling, softcap, sinks)
@@ -168,21 +167,6 @@ def _soft_capped(score: torch.Tensor, b, h, q, k, cap: float) -> torch.Tensor:
     """Flex attention's score_mod for a soft cap (a partial of this function: a closure made inside a
     compiled checkpointed block lost its cap, H200, torch 2.11)."""
     return cap * torch.tanh(score / cap)
-
-
-class _GradientContiguous(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: the all-gather's backward is a
-    reduce-scatter, which NCCL takes only contiguous, and the gradient of the gathered K/V arrives
-    permuted (`movedim`) from attention. (Compiled blocks made it contiguous on their own; eager
-    ones failed on GPUs, gloo took it as it was.)"""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
 
 
 def _flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask,
@@ -234,6 +218,7 @@ def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: MoE 
                           "ac.ratio=0 or compile.enabled=false")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=dims.cp_group_name))
     model.config._attn_implementation = CP_ATTENTION
+    model.sft_cp_group = dims.cp_group_name  # for the layers that carry state (sft_loss: RowParts)
     # The windows its layers attend within (None: the whole row), one mask each per forward (sft_loss)
     window = getattr(model.config.get_text_config(), "sliding_window", None)
     model.sft_cp_windows = (None, window) if window else (None,)

@@ -258,6 +258,10 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     # A hybrid's Gated DeltaNet and attention blocks keep different amounts: each block not checkpointed
     # keeps its kind's, the block recomputed the largest of the checkpointed ones' kinds.
     attention_layer, delta_layer = layer_bytes_by_kind(s, per_token_layer)
+    # Under context parallelism a Gated DeltaNet layer runs the whole row (sft/models/gated_deltanet.py:
+    # RowParts): the other ranks' share of its convolution's input and of its recurrence's q, k, v
+    # (each about twice the value width, bf16) is kept for backward too. Counted, not yet measured.
+    delta_layer += (run.cp - 1) * 2 * 4 * s.delta_value_dim
     layer_bytes = [delta_layer if i in s.delta_blocks else attention_layer for i in range(s.layers)]
     checkpointed_blocks = set(ac_block_indices(s.layers, run.ac_ratio))
     checkpointed = len(checkpointed_blocks)

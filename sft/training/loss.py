@@ -26,7 +26,7 @@ from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.models.build import ModelError, decoder
-from sft.models.gated_deltanet import DOCUMENT_ENDS, DocumentEnds, document_ends
+from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
 from sft.parallel.context_parallel import attention_masks, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
@@ -124,9 +124,11 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
             "targets": F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)}
     layout = {}
     if dims is not None and dims.cp_enabled:
-        rows, layout = shard_rows(rows, dims)  # targets shifted on the whole row, then split
-    elif (ends := document_ends(rows["position_ids"])) is not None:  # packed: for layers that carry state
-        layout = {"document_ends": tuple(ends.tolist())}  # ints: see on_device
+        rows, layout, ends = shard_rows(rows, dims)  # targets shifted on the whole row, then split
+    else:
+        ends = document_ends(rows["position_ids"])
+    if ends is not None:  # packed: for layers that carry state (under cp: the whole rows' ends)
+        layout["document_ends"] = tuple(ends.tolist())  # ints: see on_device
     targets = rows["targets"]
     sample, position = (targets != IGNORE_INDEX).nonzero(as_tuple=True)
     return {"input_ids": rows["input_ids"], "position_ids": rows["position_ids"],
@@ -145,11 +147,17 @@ def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torc
               **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
     document ends reach the layers that carry state (sft/models/gated_deltanet.py); attention
-    keeps documents apart by their positions."""
-    extra = {"cp_masks": attention_masks(self.sft_cp_windows, **cp_layout)} if cp_layout else {}
+    keeps documents apart by their positions. Under context parallelism the layers that carry state
+    run the whole rows (`RowParts`)."""
+    ends = None
     if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
         on_host = torch.tensor(document_ends)
-        extra[DOCUMENT_ENDS] = DocumentEnds(on_host, to_device(on_host, input_ids.device))
+        ends = DocumentEnds(on_host, to_device(on_host, input_ids.device))
+    if cp_layout:
+        extra = {"cp_masks": attention_masks(self.sft_cp_windows, **cp_layout),
+                 CP_ROWS: RowParts(self.sft_cp_group, cp_layout["key_index"].argsort(), cp_layout["query_index"], ends)}
+    else:
+        extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
     hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 **extra).last_hidden_state
     weight = self.get_output_embeddings().weight

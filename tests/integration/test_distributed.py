@@ -73,6 +73,9 @@ EQUIVALENT = [
     ("cp 2, sliding window (Gemma-3), packed rows", "gemma3", 2, ["--cp", "2", "--grad-accum", "4", "--packed"],
      1e-5, 1e-7),
     ("cp 2, sliding window and soft cap (Gemma-2)", "gemma2", 2, ["--cp", "2", "--grad-accum", "2"], 1e-5, 1e-7),
+    # ... and the layers that carry state run the whole rows (their inputs gathered), restarting per document
+    ("cp 2, Gated DeltaNet, packed rows", "hybrid", 2, ["--cp", "2", "--grad-accum", "4", "--packed"], 1e-5, 1e-7),
+    ("cp 2, short convolutions", "short conv", 2, ["--cp", "2", "--grad-accum", "2"], 1e-5, 1e-7),
 ]
 
 

@@ -26,12 +26,12 @@ def test_rows_are_split_head_tail_with_targets_shifted_on_the_whole_row():
     labels = torch.arange(100, 110).view(1, 10)
     rows = {"input_ids": torch.arange(10).view(1, 10), "position_ids": torch.arange(10).view(1, 10),
             "targets": F.pad(labels[:, 1:], (0, 1), value=-100)}
-    local, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=1))
+    local, _, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=1))
     assert local["input_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
     assert local["position_ids"].tolist() == [[3, 4, 5, 6, 7, 8]]
     assert local["targets"].tolist() == [[104, 105, 106, 107, 108, 109]]
     rows["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])  # two packed documents: 0-3, 4-9
-    _, layout = shard_rows(rows, ParallelDims(2, cp=2, rank=0))
+    _, layout, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=0))
     assert layout["query_index"].tolist() == [0, 1, 2, 9, 10, 11]
     assert layout["key_index"].tolist() == [0, 1, 2, 9, 10, 11, 3, 4, 5, 6, 7, 8]  # rank 0's chunks, then rank 1's
     masks = attention_masks((None, 3), **layout)
@@ -60,7 +60,7 @@ def test_the_gpu_block_mask_attends_as_the_whole_row_does():
     rows = {"input_ids": torch.zeros(1, length, dtype=torch.long), "position_ids": positions,
             "targets": torch.zeros(1, length, dtype=torch.long)}
     for rank in range(2):
-        _, layout = shard_rows(rows, ParallelDims(2, cp=2, rank=rank))
+        _, layout, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=rank))
         mine, keys = layout["query_index"], layout["key_index"]
         block_mask = create_block_mask(visible_keys(**layout), 1, None, len(mine), len(keys), device="cpu")
         with torch.no_grad():
@@ -85,7 +85,7 @@ def test_gpu_flex_attention_equals_the_plain_path(window, softcap, sinks):
     torch.manual_seed(0)
     positions = torch.cat([torch.arange(n) for n in (150, 250, 200)]).view(1, -1)
     rows = {"input_ids": torch.zeros_like(positions), "position_ids": positions, "targets": torch.zeros_like(positions)}
-    _, layout = shard_rows(rows, ParallelDims(2, cp=2, rank=1))
+    _, layout, _ = shard_rows(rows, ParallelDims(2, cp=2, rank=1))
     dense = attention_masks((None, 64), **layout)[window].cuda()
     block = attention_masks((None, 64), **{k: v.cuda() for k, v in layout.items()})[window]
     leaves = [torch.randn(1, h, n, 64, device="cuda", requires_grad=True)
@@ -101,20 +101,23 @@ def test_gpu_flex_attention_equals_the_plain_path(window, softcap, sinks):
 
 
 @pytest.mark.parametrize("model, reason", [
-    ("configs/models/qwen3.5-9b", "linear_attention layers (Qwen3_5GatedDeltaNet) carry state along the row"),
+    ("jamba", "linear_attention layers (JambaMambaMixer) carry state along the row"),  # Mamba: no restart
     ({"attention_dropout": 0.1}, "attention dropout is not supported"),
-], ids=["Gated DeltaNet", "attention dropout"])
+], ids=["Mamba", "attention dropout"])
 def test_models_whose_rows_cannot_be_split_are_refused_by_name(model, reason, tmp_path):
     if isinstance(model, dict):  # the demo model with these config keys changed
         (tmp_path / "config.json").write_text(json.dumps({**json.loads((DEMO_MODEL / "config.json").read_text()),
                                                           **model}))
         model = str(tmp_path)
+    elif "/" not in model:  # a tiny model of transformers' config class
+        model = str(tiny_model_dir(tmp_path, model))
     meta = build_meta_model(ModelConfig(name_or_path=model))
     assert reason in cp_unsupported(meta)
     with pytest.raises(ConfigError, match=f"cp.degree=2: .*{re.escape(reason)}.*; use cp.degree=1"):
         apply_context_parallel(meta, ParallelDims(2, cp=2), None)
-    # mixture-of-experts blocks split too, and sliding windows (gpt-oss's attention sinks as well)
-    for accepted in (DEMO_MODEL, "configs/models/qwen3-30b-a3b", "configs/models/gpt-oss-20b"):
+    # mixture-of-experts blocks split too, sliding windows (gpt-oss's attention sinks as well), Gated DeltaNet
+    for accepted in (DEMO_MODEL, "configs/models/qwen3-30b-a3b", "configs/models/gpt-oss-20b",
+                     "configs/models/qwen3.5-9b"):
         assert cp_unsupported(build_meta_model(ModelConfig(name_or_path=str(accepted)))) is None
 
 

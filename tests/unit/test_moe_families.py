@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from helpers import tiny_config
 from sft.config import MoEConfig
 from sft.models.experts import GroupedExperts
-from sft.models.moe import KeepsRouterLogits, SparseMoE, _router, _sparse_modules, apply_moe
+from sft.models.moe import KeepsRouterLogits, SparseMoE, _router, sparse_modules, apply_moe
 
 # (model_type, config overrides, the path its blocks take)
 FAMILIES = [
@@ -46,7 +46,7 @@ def _routing(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """transformers' own (router logits, chosen experts) of every sparse block, by hooks on the
     routers (captured during a forward)."""
     captured = []
-    for _, block in _sparse_modules(model):
+    for _, block in sparse_modules(model):
         router = block.get_submodule(_router(block) or "gate")
         router.register_forward_hook(lambda module, args, out: captured.append((out[0], out[-1])))
     return captured

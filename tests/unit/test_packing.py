@@ -182,7 +182,7 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
     function; on a GPU flash-linear-attention's varlen convolution and chunked Kimi delta attention),
     and a packed row of three documents, its document ends passed on, gives each document the hidden
     states and gradients it gets alone; without them the state reaches into the next document.
-    Context parallelism still refuses them."""
+    Context parallelism runs them over the whole rows (sft/models/gated_deltanet.py: RowParts)."""
     import transformers
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
@@ -205,7 +205,7 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
     assert sys.modules[layer.__module__] in [m for found in restarting_modules(model).values() for m in found]
     check_packing(model, packing=True)
     assert model.sft_document_ends
-    assert cp_unsupported(model) == f"{layers} carry state along the row"
+    assert cp_unsupported(model) is None
     documents = [torch.randint(3, 800, (n,), device=device) for n in (5, 70, 1)]  # shorter than the taps, over a
     decoder = model.get_decoder()  # 64-token chunk
     alone = [decoder(input_ids=d[None], position_ids=torch.arange(len(d), device=device)[None],
@@ -234,8 +234,8 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
 def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_path):
     """Layers that carry state along the row other than Gated DeltaNet, Kimi delta attention and short
     convolutions (Mamba: Falcon-H1, Nemotron-H, Granite-4 hybrids; MiniMax's lightning attention) are
-    refused for packing, naming the layers; context parallelism refuses Gated DeltaNet too. An
-    attention-only model packs."""
+    refused for packing, naming the layers, and so for context parallelism; Gated DeltaNet packs and
+    splits. An attention-only model packs."""
     from transformers import AutoModelForCausalLM
 
     from helpers import FALCON_H1, gated_deltanet_model_dir, tiny_config
@@ -264,8 +264,8 @@ def test_packing_a_model_whose_layers_carry_state_is_refused_in_one_line(tmp_pat
         check_packing(lfm2, packing=True)
     hybrid = build_meta_model(ModelConfig(name_or_path=str(gated_deltanet_model_dir(tmp_path))))
     check_packing(hybrid, packing=True)
-    assert cp_unsupported(hybrid) == ("Qwen3_5ForCausalLM's linear_attention layers (Qwen3_5GatedDeltaNet) "
-                                                 "carry state along the row")
+    assert cp_unsupported(hybrid) is None
+    assert cp_unsupported(mamba) == "FalconH1ForCausalLM's hybrid layers (FalconH1Mixer) carry state along the row"
     check_packing(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))), packing=True)
 
 
