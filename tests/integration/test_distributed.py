@@ -213,11 +213,13 @@ def test_expert_parallel_rank_whose_experts_get_no_row_takes_part(runs):
 
 
 @pytest.mark.slow
-def test_state_saved_at_ep_2_loads_bit_exact_at_ep_1(runs):
-    """Checkpoints are not tied to the ep degree: the model and optimizer state a run at ep 2 saves
-    (experts sharded over ep and again by FSDP) is, loaded by a run without expert parallelism,
-    every tensor bit for bit."""
-    saved, loaded = runs("ep 2 saves its state")["state"], runs("ep 1 loads it")["state"]
+@pytest.mark.parametrize("saver, loader", [("ep 2 saves its state", "ep 1 loads it"),
+                                           ("cp 2 x ep 2 saves its state", "cp 1 loads it")], ids=["ep", "cp x ep"])
+def test_state_saved_at_ep_2_loads_bit_exact_at_ep_1(runs, saver, loader):
+    """Checkpoints are not tied to the ep or cp degree: the model and optimizer state a run at ep 2
+    (or cp 2 x ep 2) saves (experts sharded over ep and again by FSDP) is, loaded by a run without
+    expert or context parallelism, every tensor bit for bit."""
+    saved, loaded = runs(saver)["state"], runs(loader)["state"]
     assert saved.keys() == loaded.keys() and any(".experts." in key for key in saved)
     assert any(key.endswith("exp_avg_sq") for key in saved)
     for key in saved:
@@ -257,6 +259,10 @@ MOE_RUNS = [
     # The state after a step at ep 2, saved with DCP, then loaded by a run at ep 1 (after its own step)
     ("ep 2 saves its state", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--save-state", "{out}/ep2-state"]),
     ("ep 1 loads it", "moe", 2, ["--grad-accum", "2", "--load-state", "{out}/ep2-state"]),
+    # ... and by a run at cp 2 x ep 2 (each row split, its experts spread), loaded by one at cp 1, ep 1
+    ("cp 2 x ep 2 saves its state", "moe", 2, ["--grad-accum", "4", "--cp", "2", "--ep", "2",
+                                               "--save-state", "{out}/cp2-state"]),
+    ("cp 1 loads it", "moe", 2, ["--grad-accum", "2", "--load-state", "{out}/cp2-state"]),
 ]
 
 
