@@ -45,6 +45,9 @@ OVERRIDES = {
     # Mamba-2 mixers of 128 heads x 64 and a state of 256 (the defaults) take minutes a row in the torch path
     **{mt: {"mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_chunk_size": 64}
        for mt in ("bamba", "granitemoehybrid")},
+    # Two generic tiny layers of these hybrids would both be Gated DeltaNet: one attends, as in their checkpoints
+    **{mt: {"layer_types": ["linear_attention", "full_attention"]}
+       for mt in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")},
     # transformers' default LFM2 config attends in every layer; its checkpoints interleave short convolutions
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},

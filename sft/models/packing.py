@@ -16,8 +16,8 @@ and LFM2's short convolution layers (a short convolution is all they carry). `ch
 those layers' document-aware functions in place and marks the model to pass the ends
 (`enable_exact_packing`).
 
-Any other layer that carries state is refused for packing in one line. Context parallelism, which
-splits rows rather than packing them, refuses every such layer (`cp_unsupported`, its one rule).
+Any other layer that carries state is refused for packing in one line, and by context parallelism
+(`cp_unsupported`, its one rule), which runs the layers above over whole rows.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from transformers import AttentionInterface, PreTrainedModel, masking_utils
 from sft.errors import UserError
 from sft.models.build import decoder
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
-from sft.models.layers import attention_kinds, stateful_kinds
+from sft.models.layers import attention_kinds, attention_layer_count, stateful_kinds
 from sft.models.moe import sparse_modules
 
 # Mixers that carry state along a row, by a part of their class name (for configs that name no layer kinds).
@@ -110,15 +110,26 @@ def _probe_forward(model: PreTrainedModel, positions_on_host: bool = True, **kwa
                       use_cache=False, **kwargs)
 
 
-def _attention_takes_keywords(model: PreTrainedModel) -> bool:
-    """Whether `model`'s attention layers run through transformers' attention interface and are given
-    the keyword arguments of the model's call (context parallelism passes its mask so): its own
-    forward is run with a probe in the interface's place (`model`'s attention stays the probe: a copy)."""
+def _attention_unsplittable(model: PreTrainedModel) -> str | None:
+    """Why `model`'s attention cannot take context parallelism's, or None: its own forward is run with
+    a probe in the place of transformers' attention interface (`model`'s attention stays the probe:
+    a copy), which its first attention layer must reach, given the model call's keyword arguments
+    (context parallelism passes its masks so), no mask of the layer's own making (transformers
+    builds none for the probe) and the layer's sliding window where the config sets one."""
     class Reached(Exception):
         pass
 
-    def probe(module, query, key, value, attention_mask, **kwargs):
-        raise Reached(_PROBE in kwargs)  # the forward stops at the first attention layer
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+
+    def probe(module, query, key, value, attention_mask, **kwargs):  # the forward stops at the first attention layer
+        if _PROBE not in kwargs:
+            raise Reached("attention layers are not given the keyword arguments of the model's call (in this "
+                          "transformers), through which context parallelism passes its masks")
+        if attention_mask is not None:
+            raise Reached("attention layers build an attention mask of their own")
+        if window and "sliding_window" not in kwargs and not hasattr(module, "sliding_window"):
+            raise Reached(f"attention layers leave their sliding window ({window}) to transformers' masks")
+        raise Reached(None)
 
     AttentionInterface.register(_PROBE, probe)
     model.config._attn_implementation = _PROBE
@@ -133,8 +144,9 @@ def _attention_takes_keywords(model: PreTrainedModel) -> bool:
     except Reached as reached:
         return reached.args[0]
     except Exception:  # noqa: BLE001 -- it failed before any attention layer (on meta: mixed devices)
-        return False
-    return True  # no layer attends: nothing to pass
+        pass
+    return None if attention_layer_count(model.config) == 0 else (
+        "attention layers were not reached through transformers' attention interface")
 
 
 _PROBE = "sft_attention_probe"
@@ -194,7 +206,6 @@ def cp_unsupported(model: PreTrainedModel) -> str | None:
     if not (rotary or builds_document_masks(probed)):
         return (f"{type(model).__name__} neither takes rotary positions from the position ids nor builds its masks "
                 "from them (in this transformers)")
-    if not _attention_takes_keywords(probed):
-        return (f"{type(model).__name__}'s attention layers are not given the keyword arguments of the model's call "
-                "(in this transformers), through which context parallelism passes its mask")
+    if reason := _attention_unsplittable(probed):
+        return f"{type(model).__name__}'s {reason}"
     return None

@@ -141,6 +141,9 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     sliding_window, softcap, sinks = (kwargs.get(key) for key in ("sliding_window", "softcap", "s_aux"))
     if cp_masks is None:
         raise RuntimeError("context-parallel attention called without cp_masks (use model.sft_loss)")
+    if dropout:  # a model whose config names it otherwise than attention_dropout (GPT-BigCode's attn_pdrop)
+        raise ConfigError(f"cp.degree: {type(module).__name__} drops attention probabilities out, which context "
+                          "parallelism does not; set its attention dropout to 0 in config.json or use cp.degree=1")
     if changed := sorted(key for key in _NOT_APPLIED if kwargs.get(key) is not None):
         raise ConfigError(f"cp.degree: {type(module).__name__} passes {', '.join(changed)} to its attention, which "
                           "context parallelism does not apply; use cp.degree=1")
