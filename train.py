@@ -31,7 +31,7 @@ from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first, shut_down
 from sft.errors import run_command
-from sft.models.build import check_vocabulary, load_tokenizer
+from sft.hub.tokenizer import check_vocabulary, load_tokenizer
 from sft.parallel.float8 import precompute_scales_after_each_step
 from sft.parallel.mesh import ParallelDims
 from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_memory_gib
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                             report=logger.message)
 
     # A resumed run keeps the eval loss of the run's start.
-    evals = Evaluations(model, eval_batches, cfg.train.micro_batch_size, cfg.eval.every_steps, total_steps, env,
+    evals = Evaluations(built, eval_batches, cfg.train.micro_batch_size, cfg.eval.every_steps, total_steps, env,
                         dims, metrics, logger, first=state.get("first_eval_loss"))
 
     def save(step: int, blocking: bool = True) -> Path | None:
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.step_begins()
         profiler.step_begins(step)
         micro_batches = train_batches.step(step)
-        ce_sum, supervised = forward_backward(model, [b for b, _ in micro_batches], env.device,
-                                              cfg.fsdp.sync_grads_each_microbatch, dims, moe)
+        ce_sum, supervised = forward_backward(built, [b for b, _ in micro_batches], env.device,
+                                              cfg.fsdp.sync_grads_each_microbatch, dims)
         grad_norm = clip_grad_norm(model, cfg.optim.clip_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()

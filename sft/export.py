@@ -34,9 +34,11 @@ from sft.config import DTYPES, Config, LoRAConfig, ModelConfig, is_local_path, r
 from sft.errors import UserError, run_command
 from sft.hub.identity import base_changed, base_identity
 from sft.hub.layout import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
+from sft.hub.tokenizer import load_tokenizer
 from sft.hub.vision_language import KEPT, FileNames, checkpoint_class
 from sft.hub.weights import initial_weights
-from sft.models.build import build_meta_model, load_tokenizer, persistent_buffers
+from sft.models.architecture import tied_embeddings
+from sft.models.build import build_meta_model, persistent_buffers
 
 
 def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,7 +173,7 @@ def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, base_weights: 
     # them tied (ensure_weight_tying), and then reads both.
     names = {module: name for name, module in model.named_modules()}
     embedding, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
-    tied = model.config.get_text_config().tie_word_embeddings and f"{embedding}.weight" in trained
+    tied = tied_embeddings(model.config) and f"{embedding}.weight" in trained
     if tied:
         trained[f"{head}.weight"] = trained[f"{embedding}.weight"].clone()
     write_adapter(out, trained, lora, base, base_weights, tied, model)

@@ -26,7 +26,8 @@ from sft.config import (ACConfig, CompileConfig, Config, CPConfig, DataConfig, F
 from sft.distributed import all_reduce_sum, init_distributed, local_part
 from sft.errors import run_command
 from sft.training.loss import forward_backward, loss_inputs, on_device
-from sft.models.build import build_meta_model, clean_name, decoder_blocks, materialize, real_buffers
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model, clean_name, materialize, real_buffers
 from sft.hub.weights import initial_weights, load_weights
 from sft.models.nf4 import is_nf4
 from sft.hub.layout import is_adapter
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace, env) -> dict:
             result["load_mismatches"] = compare_with_checkpoint(model, args.load)
             result["tied_after_load"] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         if args.leakage_probe:
-            return leakage_probe(model, dims, env)
+            return leakage_probe(built.loss, dims, env)
         block_linear = next(m for m in decoder_blocks(model)[0].modules() if isinstance(m, torch.nn.Linear))
 
         def record_weight_dtype(module: torch.nn.Module, _inputs) -> None:
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace, env) -> dict:
         micro = per_rank // args.grad_accum
         groups = [mine[i : i + micro] for i in range(0, per_rank, micro)]
         batches = [collate_packed([g], 0, 128) if args.packed else collate(g, 0, 4096) for g in groups]
-        ce_sum, num_tokens = forward_backward(model, batches, env.device, not args.deferred_sync, dims, moe)
+        ce_sum, num_tokens = forward_backward(built, batches, env.device, not args.deferred_sync, dims)
         result["supervised_tokens"] = num_tokens.item()
         result["loss"] = all_reduce_sum([ce_sum.item()], env.device)[0].item() / num_tokens.item()
         if moe:
@@ -304,7 +305,7 @@ def moe_reference(model, buffers, model_cfg: ModelConfig, samples: list[dict], m
     return {"loss": ce.item(), "aux_loss": aux.item()}
 
 
-def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
+def leakage_probe(loss, dims: ParallelDims, env) -> dict:
     """The summed loss of the last document of one packed row (three documents, only the last one
     supervised) as it is, with the tokens of the first two replaced, and with its own first token
     replaced (the control: the probe sees a change where there is one)."""
@@ -313,7 +314,7 @@ def leakage_probe(model: torch.nn.Module, dims: ParallelDims, env) -> dict:
         row.append({"input_ids": last, "labels": [-100] + last[1:]})
         batch = collate_packed([row], 0, sum(len(s["input_ids"]) for s in row))
         with torch.no_grad():
-            ce = model.sft_loss(**on_device(loss_inputs(batch, dims), env.device))
+            ce = loss(**on_device(loss_inputs(batch, dims), env.device))
         return all_reduce_sum([ce.item()], env.device)[0].item()
 
     g = torch.Generator().manual_seed(1)

@@ -24,11 +24,12 @@ from sft.config import Config, FSDPConfig, ModelConfig, OptimConfig, PrecisionCo
 from sft.distributed import all_reduce_sum, init_distributed
 from sft.parallel.float8 import fuse_weight_casts, precompute_scales_after_each_step
 from sft.training.loss import forward_backward, loss_inputs, on_device
-from sft.models.build import clean_name, load_tokenizer
+from sft.models.build import clean_name
+from sft.hub.tokenizer import load_tokenizer
 from sft.hub.weights import initial_weights, load_weights
 from sft.training.optim import build_optimizer, build_scheduler
 from sft.parallel.mesh import ParallelDims
-from sft.training.model import build_training_model
+from sft.training.model import TrainingModel, build_training_model
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -37,18 +38,18 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def build(model_cfg: ModelConfig, recipe: str, env, dims) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+def build(model_cfg: ModelConfig, recipe: str, env, dims) -> tuple[TrainingModel, torch.optim.Optimizer, object]:
     """The model as train.py builds it (sft/training/model.py), bf16 compute with precision.float8=`recipe`."""
     cfg = Config(model=model_cfg, fsdp=FSDPConfig(param_dtype="bfloat16"), precision=PrecisionConfig(float8=recipe))
-    model = build_training_model(cfg, dims, env.device).model
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
-    return model, optimizer, build_scheduler(optimizer, OptimConfig(lr=1e-3), total_steps=10)
+    built = build_training_model(cfg, dims, env.device)
+    optimizer = build_optimizer(built.model, OptimConfig(lr=1e-3))
+    return built, optimizer, build_scheduler(optimizer, OptimConfig(lr=1e-3), total_steps=10)
 
 
 @torch.no_grad()
-def loss_at_current_weights(model: torch.nn.Module, batch: dict, env) -> float:
+def loss_at_current_weights(built: TrainingModel, batch: dict, env) -> float:
     inputs = loss_inputs(batch)
-    ce = model.sft_loss(**on_device(inputs, env.device)).double()
+    ce = built.loss(**on_device(inputs, env.device)).double()
     ce, n = all_reduce_sum([ce.item(), len(inputs["target_ids"])], env.device).tolist()
     return ce / n
 
@@ -69,7 +70,8 @@ def main() -> None:
     torch.manual_seed(0)
     model_cfg = ModelConfig(name_or_path=args.model, init="random")
     dims = ParallelDims(env.world_size, rank=env.rank).build(env.device.type)
-    model, optimizer, scheduler = build(model_cfg, args.float8, env, dims)
+    built, optimizer, scheduler = build(model_cfg, args.float8, env, dims)
+    model = built.model
     if args.fuse_casts:
         fuse_weight_casts()
     result: dict = {"float8_linears": sorted(clean_name(n) for n, m in model.named_modules()
@@ -91,7 +93,7 @@ def main() -> None:
     batch = collate(samples[env.rank * per_rank:(env.rank + 1) * per_rank], 0, 4096)
     losses = []
     for _ in range(args.steps):
-        ce_sum, supervised = forward_backward(model, [batch], env.device)
+        ce_sum, supervised = forward_backward(built, [batch], env.device)
         losses.append(all_reduce_sum([ce_sum.item()], env.device).item() / supervised.item())
         optimizer.step()
         scheduler.step()
@@ -108,10 +110,10 @@ def main() -> None:
         result["checkpoint"] = str(path)
         if args.reload_as:
             other, other_optimizer, other_scheduler = build(model_cfg, args.reload_as, env, dims)
-            ckpt.restore(path, other, None, other_optimizer, other_scheduler, global_batch=8, total_steps=10)
-            result["reloaded"] = full_params(other)
+            ckpt.restore(path, other.model, None, other_optimizer, other_scheduler, global_batch=8, total_steps=10)
+            result["reloaded"] = full_params(other.model)
             # The same weights through both precisions: float8 must change the numbers, a little.
-            result["loss_saved"] = loss_at_current_weights(model, batch, env)
+            result["loss_saved"] = loss_at_current_weights(built, batch, env)
             result["loss_reloaded"] = loss_at_current_weights(other, batch, env)
     if env.rank == 0:
         torch.save(result, args.out)

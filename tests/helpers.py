@@ -356,7 +356,7 @@ def hf_eval_loss(model, data: Path, model_dir: Path) -> float:
     from sft.config import ModelConfig, load_config
     from sft.data.collate import collate
     from sft.data.prepare import load_sft_data
-    from sft.models.build import load_tokenizer
+    from sft.hub.tokenizer import load_tokenizer
 
     cfg = load_config(REPO / "configs" / "demo.yaml", [f"data.path={data / 'train.jsonl'}",
                                                        f"data.eval_path={data / 'eval.jsonl'}"])

@@ -96,8 +96,8 @@ def check_family(family: str, tmp: Path) -> Row:
 
     from sft.config import LoRAConfig, ModelConfig, MoEConfig
     from sft.data.collate import collate, collate_packed
-    from sft.models.build import (build_meta_model, decoder_blocks, materialize, model_config, persistent_buffers,
-                                  real_buffers)
+    from sft.models.architecture import decoder_blocks
+    from sft.models.build import build_meta_model, materialize, model_config, persistent_buffers, real_buffers
     from sft.export import write_model
     from sft.adapters.lora import apply_lora
     from sft.models.moe import apply_moe
@@ -128,8 +128,9 @@ def check_family(family: str, tmp: Path) -> Row:
     stateful = stateful_layers(model)
     row.kind = ("vision-language, " if vision_language else "") + (
         "MoE" + (" (general path)" if moe.general else "") if moe else "dense") + (", hybrid" if stateful else "")
+    restarts = False  # packed documents' ends reach its layers
     try:
-        check_packing(model, packing=True)
+        restarts = check_packing(model, packing=True)
         row.packing = "exact" if stateful else "yes"
     except Exception as e:  # noqa: BLE001
         row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"
@@ -149,12 +150,12 @@ def check_family(family: str, tmp: Path) -> Row:
         weights = SafetensorsWeights(str(directory), model)
         weights.check()
         load_weights(model, weights, torch.device("cpu"))
-        attach_sft_loss(model)
+        loss = attach_sft_loss(model, restarts)
         samples = synthetic_global_batch(4)
         padded, packed = collate(samples, 0, 256), collate_packed([samples[:2], samples[2:]], 0, 256)
         with torch.no_grad():  # before training: the loss of the model transformers loads from the same files
             model.eval()  # (transformers' is in eval mode: no dropout)
-            ours = _loss(model, padded)
+            ours = _loss(loss, padded)
             model.train()
             try:
                 reference = _next_token_loss((AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
@@ -166,14 +167,14 @@ def check_family(family: str, tmp: Path) -> Row:
         if reference is not None and not abs(ours - reference) <= 1e-4 * abs(reference):
             row.status = f"loads otherwise than transformers ({ours:.5f} here, {reference:.5f} there)"
             return row
-        if row.cp == "yes" and abs((split := _context_parallel_loss(model, padded)) - ours) > 1e-5 * abs(ours):
+        if row.cp == "yes" and abs((split := _context_parallel_loss(model, restarts, padded)) - ours) > 1e-5 * abs(ours):
             row.cp = "differs from cp 1"
             row.status = f"its attention under context parallelism differs ({split:.6f} there, {ours:.6f} here)"
             return row
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(STEPS):
-            losses.append(_backward(model, moe, padded))
+            losses.append(_backward(loss, moe, padded))
             optimizer.step()
             optimizer.zero_grad()
         if not losses[-1] < losses[0]:
@@ -184,7 +185,7 @@ def check_family(family: str, tmp: Path) -> Row:
             # losses equal within 1e-6 (every family is within 1e-7 here): a little mixing shows (the issue's
             # Qwen3.5 example, one step over 48 conversations, was off by 2e-5 of its loss); every gradient
             # within 1e-4 of its tensor's largest entry
-            (as_padded, padded_grads), (as_packed, packed_grads) = (_loss_and_grads(model, moe, b) for b in (padded, packed))
+            (as_padded, padded_grads), (as_packed, packed_grads) = (_loss_and_grads(model, loss, moe, b) for b in (padded, packed))
             worst = max(((packed_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
                         for n, g in padded_grads.items())
             if abs(as_packed - as_padded) > 1e-6 * abs(as_padded) or not worst <= 1e-4:
@@ -213,7 +214,7 @@ def check_family(family: str, tmp: Path) -> Row:
                     row.status = f"exports as {type(loaded).__name__}"
                     return row
             if reference is not None:
-                ours, theirs = _loss(model, padded), _next_token_loss(loaded, padded)
+                ours, theirs = _loss(loss, padded), _next_token_loss(loaded, padded)
                 logits = loaded(input_ids=padded["input_ids"], use_cache=False).logits.float()
                 # causal without a mask, as rows of one sequence run: a prefix's logits do not see what follows
                 prefix = loaded(input_ids=padded["input_ids"][:1, :8], use_cache=False).logits.float()
@@ -292,15 +293,15 @@ def _saved_by_transformers(cfg, out: Path) -> Path:
     return out
 
 
-def _loss(model, batch: dict) -> float:
+def _loss(loss, batch: dict) -> float:
     """Our loss path, head and all: the mean over the batch's supervised tokens."""
     from sft.training.loss import loss_inputs
 
     inputs = loss_inputs(batch)
-    return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
+    return loss(**inputs).item() / len(inputs["target_ids"])
 
 
-def _context_parallel_loss(model, batch: dict) -> float:
+def _context_parallel_loss(model, restarts: bool, batch: dict) -> float:
     """`_loss` with the model's attention that of context parallelism (sft/parallel/context_parallel.py),
     over a group of this one process: the family's attention layers through that interface (what
     they pass it, multi-head latent attention's widths), the whole row on this rank. The exchange
@@ -308,7 +309,7 @@ def _context_parallel_loss(model, batch: dict) -> float:
     import torch.distributed as dist
 
     from sft.parallel.context_parallel import apply_context_parallel
-    from sft.training.loss import loss_inputs
+    from sft.training.loss import attach_sft_loss, loss_inputs
 
     alone = not dist.is_initialized()
     if alone:
@@ -320,7 +321,7 @@ def _context_parallel_loss(model, batch: dict) -> float:
         model.eval()  # as `_loss`'s reference ran: no dropout
         with torch.no_grad():
             inputs = loss_inputs(batch, one_rank)
-            return model.sft_loss(**inputs).item() / len(inputs["target_ids"])
+            return attach_sft_loss(model, restarts, one_rank)(**inputs).item() / len(inputs["target_ids"])
     finally:
         model.config._attn_implementation = implementation
         model.train(training)
@@ -328,27 +329,27 @@ def _context_parallel_loss(model, batch: dict) -> float:
             dist.destroy_process_group()
 
 
-def _backward(model, moe, batch: dict) -> float:
+def _backward(loss, moe, batch: dict) -> float:
     """Our loss of `batch`, its gradients accumulated (`moe`: the MoE handle, or None), as a step does."""
     from sft.training.loss import loss_inputs
 
     if moe:
         moe.begin_step(batch["real_tokens"].sum())
         moe.begin_micro_batch(batch["real_tokens"])
-    loss = model.sft_loss(**loss_inputs(batch))
+    summed = loss(**loss_inputs(batch))
     if moe:
         moe.end_micro_batch()
-    loss.backward()
-    return loss.item()
+    summed.backward()
+    return summed.item()
 
 
-def _loss_and_grads(model, moe, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(model, loss, moe, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
     """Our loss of `batch` and the gradient of every parameter."""
     model.zero_grad()
-    loss = _backward(model, moe, batch)
+    value = _backward(loss, moe, batch)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    return loss, grads
+    return value, grads
 
 
 def _next_token_loss(model, batch: dict) -> float:

@@ -17,7 +17,7 @@ from sft.data.masking import IGNORE_INDEX
 from sft.data.prepare import expansion, prepare_sft_data, reasoning
 from sft.data.sources import SOURCE_ROW, where
 from sft.errors import run_command
-from sft.models.build import load_tokenizer
+from sft.hub.tokenizer import load_tokenizer
 
 
 def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool) -> str:

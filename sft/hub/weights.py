@@ -30,7 +30,8 @@ from sft.config import ModelConfig
 from sft.distributed import local_slice, rank0_first
 from sft.hub.layout import FileLayout, is_adapter, quantized_experts_problem
 from sft.hub.vision_language import KEPT, checkpoint_class, file_names, kept_names
-from sft.models.build import (ModelError, build_meta_model, clean_name, decoder, missing_local_dir, model_config,
+from sft.models.architecture import decoder
+from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
                               persistent_buffers, real_buffers)
 from sft.models.nf4 import full_shape, is_nf4, quantized
 from sft.models.vision_language import is_vision_language

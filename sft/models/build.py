@@ -1,5 +1,5 @@
-"""Memory-safe model construction: the tokenizer, the model built on the meta device, its
-decoder blocks, and storage for this rank's shards once they are sharded.
+"""Memory-safe model construction: the model built on the meta device, and storage for this
+rank's shards once they are sharded.
 
 No rank ever holds a full copy of the weights. The model is built on the meta device in float32
 (so the sharded master weights are float32 from the start, and no whole-model cast is needed);
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from sft.config import ModelConfig, is_local_path
 from sft.errors import UserError
+from sft.models.architecture import text_config
 from sft.models.layers import attention_kinds
 from sft.models.vision_language import causal_class, is_vision_language, language_model_config, under_a_head
 
@@ -50,36 +50,6 @@ def missing_local_dir(key: str, path: str) -> ModelError | None:
         return ModelError(f"{key}={path!r}: no such directory; " + (f"`{made_by}` writes it" if made_by else
                           "give an existing model directory or a hub id (e.g. Qwen/Qwen2.5-7B-Instruct)"))
     return None
-
-
-def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
-    key, source = ("model.tokenizer", cfg.tokenizer) if cfg.tokenizer else ("model.name_or_path", cfg.name_or_path)
-    missing = missing_local_dir(key, source)
-    if missing:
-        raise missing
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-    except Exception as e:
-        raise ModelError(f"{key}={source!r}: could not load a tokenizer: {e}") from None
-    if not tokenizer.chat_template:
-        raise ModelError(f"{key}={source!r} has no chat template; use an instruct model's "
-                         "tokenizer or add chat_template to its tokenizer_config.json")
-    if tokenizer.pad_token_id is None:
-        # Pads are never attended to by real tokens nor trained, so any id will do.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def check_vocabulary(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Training: a tokenizer other than the model's own must not give ids beyond the model's
-    embeddings (only its config.json is read: before the data, which it would tokenise for nothing).
-    `python -m sft.data` shows data with any tokenizer."""
-    if cfg.tokenizer:
-        vocab = model_config(cfg).get_text_config().vocab_size
-        if len(tokenizer) > vocab:
-            raise ModelError(f"model.tokenizer={cfg.tokenizer!r} has {len(tokenizer)} tokens, but "
-                             f"model.name_or_path={cfg.name_or_path!r} embeds {vocab}: use the model's own "
-                             "tokenizer (remove model.tokenizer) or one of its vocabulary")
 
 
 def model_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -179,30 +149,9 @@ def attends_fully(model: PreTrainedModel) -> bool:
     """Whether every layer of `model` that attends attends to the whole (causal) row: no sliding
     window, no soft cap of the attention logits (a hybrid's recurrent layers take no mask). Masks,
     causal-only kernels and context parallelism rely on it."""
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     return (attention_kinds(config) <= {"full_attention"} and not getattr(config, "sliding_window", None)
             and not getattr(config, "attn_logit_softcapping", None))
-
-
-def decoder(model: PreTrainedModel) -> tuple[str, nn.Module]:
-    """(its name, the module) of the stack of blocks under the language-model head, which returns the
-    last hidden states (`get_decoder`, or the `model` child where a class's get_decoder returns
-    the whole model: Llama-4's text class)."""
-    inner = model.get_decoder()
-    if inner is model:
-        inner = model.model
-    return next(name for name, module in model.named_modules() if module is inner), inner
-
-
-def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
-    """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    # Through the MRO, so blocks are still found once FSDP has swapped in its FSDP<Block> subclass.
-    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
-    if not blocks:
-        raise ModelError(f"{type(model).__name__}: cannot find its decoder blocks "
-                         f"(_no_split_modules={sorted(names)}); this architecture is not supported")
-    return blocks
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ layers:
   masked: the CPU path, on which the tests compare packed and unpacked rows.
 
 A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/training/loss.py passes
-them for packed rows of a model that sft/models/packing.py's `enable_exact_packing` marked);
+them for packed rows of a model whose functions sft/models/packing.py's `check_packing` replaced);
 transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
 convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
 (RESTARTING_LAYERS), so that they restart at each document as well. Kimi's delta attention

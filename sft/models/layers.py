@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from sft.models.architecture import text_config
+
 
 @dataclass(frozen=True)
 class LayerKind:
@@ -48,7 +50,7 @@ UNKNOWN_KIND = LayerKind(attends=True, carries_state=True)
 
 def layer_kinds(config: PretrainedConfig) -> list[str]:
     """The kind of each layer of the (text) model `config` describes."""
-    text = config.get_text_config()
+    text = text_config(config)
     return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
 
 

@@ -43,6 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from sft.config import MoEConfig
 from sft.errors import UserError
+from sft.models.architecture import text_config
 from sft.models.experts import GroupedExperts, run_local_experts
 
 
@@ -61,7 +62,7 @@ def expert_shape(model: nn.Module) -> tuple[int, int, int] | None:
     sparse = sparse_modules(model)
     if not sparse:
         return None
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     gate_up = sparse[0][1].experts.gate_up_proj  # [E, 2I, H] or transposed [E, H, 2I]
     return gate_up.shape[0], config.num_experts_per_tok, gate_up.numel() // (2 * gate_up.shape[0] * config.hidden_size)
 
@@ -221,7 +222,7 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
             raise MoEError(f"moe.ep_degree={cfg.ep_degree}: {type(model).__name__} has no mixture-of-experts blocks; "
                            "set moe.ep_degree=1")
         return None
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     num_experts = sparse[0][1].experts.gate_up_proj.shape[0]
     if getattr(config, "router_jitter_noise", 0):
         raise MoEError(f"{type(model).__name__}: router_jitter_noise={config.router_jitter_noise} in config.json "
@@ -264,7 +265,7 @@ def parameters_per_token(model: nn.Module) -> tuple[int, int]:
     """(trained, frozen) parameters one token's forward runs through: all, but of each block's routed
     experts (their weights, gpt-oss's biases, LoRA's adapters) only the k of E it is routed to. The
     MFU numerator counts these (sft/training/metrics.py: flops_per_token)."""
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     routed = {id(p): config.num_experts_per_tok / module.experts.num_experts
               for _, module in sparse_modules(model) for p in module.experts.parameters()}
     counts = [0.0, 0.0]

@@ -13,8 +13,8 @@ their state from one document into the next. Gated DeltaNet is packed exactly: g
 documents' ends, every document restarts its recurrent state and its short convolution, as if it had
 a row of its own (sft/models/gated_deltanet.py); so are Kimi's delta attention layers (Kimi-Linear)
 and LFM2's short convolution layers (a short convolution is all they carry). `check_packing` puts
-those layers' document-aware functions in place and marks the model to pass the ends
-(`enable_exact_packing`).
+those layers' document-aware functions in place and says that the loss must
+pass them the ends.
 
 Any other layer that carries state is refused for packing in one line, and by context parallelism
 (`cp_unsupported`, its one rule), which runs the layers above over whole rows.
@@ -29,7 +29,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
 
 from sft.errors import UserError
-from sft.models.build import decoder
+from sft.models.architecture import decoder, text_config
 from sft.models.gated_deltanet import install_gated_deltanet_functions, restarting_modules
 from sft.models.layers import attention_kinds, attention_layer_count, stateful_kinds
 from sft.models.moe import sparse_modules
@@ -119,7 +119,7 @@ def _attention_unsplittable(model: PreTrainedModel) -> str | None:
     class Reached(Exception):
         pass
 
-    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    window = getattr(text_config(model.config), "sliding_window", None)
 
     def probe(module, query, key, value, attention_mask, **kwargs):  # the forward stops at the first attention layer
         if _PROBE not in kwargs:
@@ -156,30 +156,25 @@ def _passed_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tenso
     return hidden_states
 
 
-def check_packing(model: PreTrainedModel, packing: bool) -> None:
+def check_packing(model: PreTrainedModel, packing: bool) -> bool:
     """data.packing: the model's attention keeps documents apart, and its layers that carry state
-    restart at each document (enable_exact_packing); else one line naming what mixes them."""
+    restart at each document (sft/models/gated_deltanet.py); else one line naming what mixes them. Returns
+    whether packed rows' document ends must reach its layers (sft/training/loss.py passes them)."""
     if not packing:
-        return
+        return False
     if not builds_document_masks(model):
         raise PackingError(f"data.packing=true: {type(model).__name__} does not build its attention masks from the "
                            "position ids where packed documents restart (in this transformers), so its documents "
                            "would see each other; set data.packing=false")
     if not (layers := stateful_layers(model)):
-        return
+        return False
     if not _packs_exactly(model):
         raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
                            "mixing documents, and only Gated DeltaNet, Kimi delta attention and short convolution "
                            "layers that pass on their call's keyword arguments (transformers 5.24's do) restart per "
                            "document yet; set data.packing=false")
-    enable_exact_packing(model)
-
-
-def enable_exact_packing(model: PreTrainedModel) -> None:
-    """Put the document-aware functions in place (sft/models/gated_deltanet.py) and mark `model`: its
-    packed rows pass their documents' ends to its layers (sft/training/loss.py), which restart there."""
-    install_gated_deltanet_functions(model)
-    model.sft_document_ends = True
+    install_gated_deltanet_functions(model)  # given a row's document ends, its layers restart there
+    return True
 
 
 def cp_unsupported(model: PreTrainedModel) -> str | None:
@@ -187,7 +182,7 @@ def cp_unsupported(model: PreTrainedModel) -> str | None:
     parallelism refuses these, and the planner never suggests a cp.degree for them. (Mixture-of-
     experts blocks split: each token goes through its experts wherever it is, and the load-balancing
     term counts the whole row, sft/models/moe.py.)"""
-    config = model.config.get_text_config()
+    config = text_config(model.config)
     # Layers that carry state run the whole row where they restart per document (RowParts); others not
     if (layers := stateful_layers(model)) and not _packs_exactly(model):
         return f"{layers} carry state along the row"

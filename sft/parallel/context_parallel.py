@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, create_mask, flex_attention
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from sft.config import ConfigError
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import gather_along, log0
+from sft.models.architecture import text_config
 from sft.models.gated_deltanet import document_ends
 from sft.models.packing import cp_unsupported
 from sft.parallel.mesh import ParallelDims
@@ -140,7 +141,7 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     pass. `dropout` is always 0: models with attention dropout are refused (`cp_unsupported`)."""
     sliding_window, softcap, sinks = (kwargs.get(key) for key in ("sliding_window", "softcap", "s_aux"))
     if cp_masks is None:
-        raise RuntimeError("context-parallel attention called without cp_masks (use model.sft_loss)")
+        raise RuntimeError("context-parallel attention called without cp_masks (run it through sft/training/loss.py)")
     if dropout:  # a model whose config names it otherwise than attention_dropout (GPT-BigCode's attn_pdrop)
         raise ConfigError(f"cp.degree: {type(module).__name__} drops attention probabilities out, which context "
                           "parallelism does not; set its attention dropout to 0 in config.json or use cp.degree=1")
@@ -203,17 +204,23 @@ def _eager_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return probs[..., : key.shape[2]] @ value
 
 
+def attention_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """The windows the model's layers attend within (None: the whole row): one mask each per forward."""
+    window = getattr(text_config(config), "sliding_window", None)
+    return (None, window) if window else (None,)
+
+
 def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: MoE | None,
                            checkpointed_compiled: bool = False) -> None:
     """Route the model's attention through `_attention` over the mesh's cp group (before anything
-    wraps or compiles the blocks). transformers then builds no mask of its own: `sft_loss` passes
+    wraps or compiles the blocks). transformers then builds no mask of its own: the SFT loss passes
     `cp_masks` down to every attention call. A mixture-of-experts model's load-balancing term
     counts the whole rows, over the cp group (`moe`, the MoE handle). `checkpointed_compiled`: the
     blocks will be compiled and checkpointed."""
     reason = cp_unsupported(model)
     if reason:
         raise ConfigError(f"cp.degree={dims.cp}: {reason}; use cp.degree=1")
-    if checkpointed_compiled and getattr(model.config.get_text_config(), "attn_logit_softcapping", None):
+    if checkpointed_compiled and getattr(text_config(model.config), "attn_logit_softcapping", None):
         # Measured on 2 x H200 (torch 2.11): Gemma-2's loss 2e-5 and its gradients 1.8% away from cp 1's
         # (compiled without checkpointing, or neither, they agree to 1e-6; Gemma-3 without a soft cap too)
         raise ConfigError(f"cp.degree={dims.cp} with compile.enabled=true and ac.ratio > 0: {type(model).__name__}'s "
@@ -221,10 +228,6 @@ def apply_context_parallel(model: PreTrainedModel, dims: ParallelDims, moe: MoE 
                           "ac.ratio=0 or compile.enabled=false")
     AttentionInterface.register(CP_ATTENTION, functools.partial(_attention, group_name=dims.cp_group_name))
     model.config._attn_implementation = CP_ATTENTION
-    model.sft_cp_group = dims.cp_group_name  # for the layers that carry state (sft_loss: RowParts)
-    # The windows its layers attend within (None: the whole row), one mask each per forward (sft_loss)
-    window = getattr(model.config.get_text_config(), "sliding_window", None)
-    model.sft_cp_windows = (None, window) if window else (None,)
     if moe is not None:
         moe.count_rows_over(dims.cp_group_name)
     log0(f"applied context parallelism: each row split over {dims.cp} ranks (head-tail), K/V all-gathered")

@@ -29,7 +29,7 @@ from torch import nn
 
 from sft.adapters.lora import apply_lora, nf4_weights
 from sft.config import DTYPES, LOGITS_PER_CHUNK, STATE_BYTES, Config, LoRAConfig, StateBytes, state_bytes
-from sft.models.build import decoder_blocks
+from sft.models.architecture import decoder_blocks, text_config
 from sft.models.layers import recurrent_byte_blocks
 from sft.models.moe import active_parameters, eager_expert_widths, expert_shape
 from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
@@ -138,7 +138,7 @@ class Shapes:
                                           if p.requires_grad and ".experts." in n),
                 head_trained=model.get_output_embeddings().weight.requires_grad,
                 nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
-        text = model.config.get_text_config()
+        text = text_config(model.config)
         params = sum(p.numel() for p in model.parameters())
         sizes = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks(model)]
         largest, block = _largest_block(model), max(sizes)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from sft.data.batches import MicroBatches
 from sft.data.masking import IGNORE_INDEX
@@ -14,6 +13,7 @@ from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, log0
 from sft.parallel.mesh import ParallelDims
 from sft.training.loss import loss_inputs, on_device
 from sft.training.metrics import MetricsLogger, StepMetrics
+from sft.training.model import TrainingModel
 
 
 class Evaluations:
@@ -23,11 +23,11 @@ class Evaluations:
     step, or a kill came between its checkpoint and its evaluation) evaluates it first; one already
     logged (a relaunch after a kill during the export) is not run again."""
 
-    def __init__(self, model: nn.Module, batches: MicroBatches | None, micro_batch_size: int, every_steps: int,
+    def __init__(self, built: TrainingModel, batches: MicroBatches | None, micro_batch_size: int, every_steps: int,
                  total_steps: int, env: DistEnv, dims: ParallelDims, metrics: StepMetrics, logger: MetricsLogger,
                  first: float | None = None):
         """`first`: the eval loss of the run's start, as a resumed run's checkpoint recorded it."""
-        self.model, self.batches, self.micro_batch_size = model, batches, micro_batch_size
+        self.built, self.batches, self.micro_batch_size = built, batches, micro_batch_size
         self.env, self.dims = env, dims
         self.every_steps, self.total_steps, self.metrics, self.logger = every_steps, total_steps, metrics, logger
         self.losses: dict[int, float] = decided_on_rank0(lambda: dict(logger.evaluations))  # step -> eval loss
@@ -56,13 +56,13 @@ class Evaluations:
             return None
         if step not in self.losses:
             self.metrics.pause()  # the next step's time starts after the eval
-            self.losses[step] = evaluate(self.model, self.batches, self.micro_batch_size, self.env, self.dims)
+            self.losses[step] = evaluate(self.built, self.batches, self.micro_batch_size, self.env, self.dims)
             self.logger.log({"step": step, "eval_loss": self.losses[step]})
         return self.losses[step]
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env: DistEnv,
+def evaluate(built: TrainingModel, batches: MicroBatches, micro_batch_size: int, env: DistEnv,
              dims: ParallelDims) -> float:
     """Mean CE per supervised token over the eval set, samples spread round-robin over the
     data-parallel ranks (each row split over its cp group's ranks).
@@ -70,6 +70,7 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
     Every rank runs the same number of forward passes (FSDP's collectives need it); a rank that
     runs out of samples feeds a batch whose labels are all ignored, which adds nothing.
     """
+    model = built.model
     model.train(False)  # inference mode (dropout off), restored below
     size = len(batches.dataset)
     mine = list(range(dims.dp_rank, size, dims.dp_size))
@@ -82,7 +83,7 @@ def evaluate(model: nn.Module, batches: MicroBatches, micro_batch_size: int, env
             batch["labels"].fill_(IGNORE_INDEX)
         inputs = loss_inputs(batch, dims)
         tokens += len(inputs["target_ids"])
-        ce_sum += model.sft_loss(**on_device(inputs, env.device)).double()
+        ce_sum += built.loss(**on_device(inputs, env.device)).double()
     model.train()
     total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
     return total_ce / total_tokens

@@ -8,13 +8,15 @@ token-weighted mean over the global batch, however tokens fall across micro-batc
 The lm_head and cross-entropy run only on supervised positions, in row chunks, with the
 gradients computed in the same pass (`LinearCrossEntropy`): no [tokens x vocab] float32 logits
 are ever stored, and the lm_head weight is gathered once per forward (it lives in the root FSDP
-unit, which stays unsharded while `sft_loss` runs).
+unit, which stays unsharded while the loss runs).
 """
 
 from __future__ import annotations
 
-import types
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,38 +27,20 @@ from transformers import PreTrainedModel
 from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
-from sft.models.build import ModelError, decoder
+from sft.models.architecture import Logits, decoder, text_config
+from sft.models.build import ModelError
 from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
-from sft.parallel.context_parallel import attention_masks, rank_share, shard_rows
+from sft.parallel.context_parallel import attention_masks, attention_windows, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
+if TYPE_CHECKING:
+    from sft.training.model import TrainingModel
 
-
-@dataclass(frozen=True)
-class Logits:
-    """What a model's head does to hidden @ lm_head.T before the softmax (transformers' forward of
-    its causal-LM class): a scale (Cohere's logit_scale; Granite's and MiniCPM3's 1 / logits_scaling;
-    Falcon-H1's lm_head_multiplier; Inkling's 1 / logits_mup_width_multiplier), Gemma-2's soft cap,
-    cap * tanh(logits / cap), and the logits the softmax runs over (Inkling's unpadded_vocab_size:
-    the first `vocab` rows of lm_head; None: all)."""
-    scale: float = 1.0
-    cap: float | None = None
-    vocab: int | None = None
-
-    @classmethod
-    def of(cls, config) -> Logits:
-        text = config.get_text_config()
-
-        def key(name: str, default):
-            value = getattr(text, name, None)
-            return default if value is None else value
-        return cls(key("logit_scale", 1.0) * key("lm_head_multiplier", 1.0) * key("output_multiplier", 1.0)
-                   / key("logits_scaling", 1.0) / key("logits_mup_width_multiplier", 1.0),
-                   key("final_logit_softcapping", None) or None, key("unpadded_vocab_size", None))
+PLAIN_LOGITS = Logits()  # hidden @ lm_head.T, softmax over every row
 
 
 def _chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grad_hidden: bool,
-                           grad_weight: bool, head: Logits = Logits()
+                           grad_weight: bool, head: Logits = PLAIN_LOGITS
                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """sum_i CE(head(hidden_i @ weight.T), target_i) in row chunks, and the gradients asked for (a
     frozen lm_head, LoRA's, needs none: neither its float32 buffer nor the matmul that fills it)."""
@@ -96,7 +80,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                head: Logits = Logits()) -> torch.Tensor:
+                head: Logits = PLAIN_LOGITS) -> torch.Tensor:
         total, grad_hidden, grad_weight = _chunked_cross_entropy(hidden, weight, targets, *ctx.needs_input_grad[:2],
                                                                  head)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
@@ -111,7 +95,7 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
                 ) -> dict[str, torch.Tensor | tuple[int, ...]]:
-    """`sft_loss`'s arguments for a collated batch, computed on the host: which hidden states
+    """The loss's arguments for a collated batch, computed on the host: which hidden states
     predict a supervised token (rows of the flattened [batch x seq] hidden states) and that token;
     with context parallelism (`dims`), for this rank's share of each row, plus the attention layout;
     for packed rows, the documents' ends (ints).
@@ -137,65 +121,83 @@ def loss_inputs(batch: dict[str, torch.Tensor], dims: ParallelDims | None = None
 
 def on_device(inputs: dict[str, torch.Tensor | tuple[int, ...]], device: torch.device
               ) -> dict[str, torch.Tensor | tuple[int, ...]]:
-    """`loss_inputs`' tensors on `device`. The document ends stay ints: `sft_loss` wants them on the
+    """`loss_inputs`' tensors on `device`. The document ends stay ints: the loss wants them on the
     host as well, and FSDP copies a host tensor it is handed to the GPU with a copy that waits for it."""
     return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def _sft_loss(self: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
-              target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
+@dataclass(frozen=True)
+class LossSetting:
+    """What the fused loss knows of the model it runs on, decided once when it is attached."""
+    logits: Logits
+    document_ends: bool = False  # packed rows' document ends reach its layers that restart per document
+    cp_group: str | None = None  # context parallelism: the process group each row is split over
+    cp_windows: tuple[int | None, ...] = (None,)  # and the windows its attention layers look back within
+
+
+def _sft_loss(model: PreTrainedModel, setting: LossSetting, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              target_rows: torch.Tensor, target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
               **cp_layout: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
     document ends reach the layers that carry state (sft/models/gated_deltanet.py); attention
     keeps documents apart by their positions. Under context parallelism the layers that carry state
     run the whole rows (`RowParts`)."""
     ends = None
-    if document_ends is not None and getattr(self, "sft_document_ends", False):  # layers that restart per document
+    if document_ends is not None and setting.document_ends:
         on_host = torch.tensor(document_ends)
         ends = DocumentEnds(on_host, to_device(on_host, input_ids.device))
     if cp_layout:
-        extra = {"cp_masks": attention_masks(self.sft_cp_windows, **cp_layout),
-                 CP_ROWS: RowParts(self.sft_cp_group, cp_layout["key_index"].argsort(), cp_layout["query_index"], ends)}
+        extra = {"cp_masks": attention_masks(setting.cp_windows, **cp_layout),
+                 CP_ROWS: RowParts(setting.cp_group, cp_layout["key_index"].argsort(), cp_layout["query_index"], ends)}
     else:
         extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
-    hidden = decoder(self)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                **extra).last_hidden_state
-    weight = self.get_output_embeddings().weight
-    if self.sft_logits.vocab is not None:
-        weight = weight[: self.sft_logits.vocab]
+    hidden = decoder(model)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                               **extra).last_hidden_state
+    weight = model.get_output_embeddings().weight
+    if setting.logits.vocab is not None:
+        weight = weight[: setting.logits.vocab]
     args = (hidden.flatten(0, 1).index_select(0, target_rows), weight, target_ids)
     if torch.is_grad_enabled():
-        return LinearCrossEntropy.apply(*args, self.sft_logits)
-    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=self.sft_logits)[0]
+        return LinearCrossEntropy.apply(*args, setting.logits)
+    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=setting.logits)[0]
 
 
-def attach_sft_loss(model: PreTrainedModel) -> None:
-    """Give the (FSDP-sharded) model an `sft_loss(**loss_inputs(batch))` method.
+SFTLoss = Callable[..., torch.Tensor]  # loss(**loss_inputs(batch)) -> the summed cross-entropy
 
-    Registered as an FSDP forward method so the root unit's parameters (embeddings, final norm,
-    lm_head) are gathered around it exactly as around `forward`.
+
+def attach_sft_loss(model: PreTrainedModel, document_ends: bool = False, dims: ParallelDims | None = None) -> SFTLoss:
+    """The fused loss of the (FSDP-sharded) model: `loss(**loss_inputs(batch))`. `document_ends`:
+    its layers restart per packed document (`check_packing`); `dims`: the mesh, for context parallelism.
+
+    FSDP gathers the root unit's parameters (embeddings, final norm, lm_head) only around a forward
+    method of the model, which its public API registers by name: `model.sft_loss` is that one
+    attribute. What the loss knows lives in its `LossSetting`, not on the model.
     """
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise ModelError(f"{type(model).__name__}: the output layer is not a bias-free Linear, which the fused "
                          "lm_head + cross-entropy needs; this architecture is not supported")
-    text = model.config.get_text_config()
+    text = text_config(model.config)
     if getattr(text, "logits_soft_cap", None) or "final_logits_bias" in dict(model.named_buffers()):
         raise ModelError(f"{type(model).__name__}: its head post-processes logits in a way the fused lm_head + "
                          "cross-entropy does not (a logits_soft_cap or a final_logits_bias); this architecture is "
                          "not supported")
-    model.sft_logits = Logits.of(model.config)  # its scale and soft cap, which the fused loss applies
-    model.sft_loss = types.MethodType(_sft_loss, model)
+    cp = dims is not None and dims.cp_enabled
+    setting = LossSetting(Logits.of(model.config), document_ends, dims.cp_group_name if cp else None,
+                          attention_windows(model.config) if cp else (None,))
+    model.sft_loss = functools.partial(_sft_loss, model, setting)
     register_fsdp_forward_method(model, "sft_loss")
+    return model.sft_loss
 
 
-def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
-                     sync_each_microbatch: bool = True, dims: ParallelDims | None = None, moe=None,
+def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
+                     sync_each_microbatch: bool = True, dims: ParallelDims | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate one optimizer step's gradients; return (this rank's CE sum, global supervised
-    token count), both still on the device: nothing here makes the host wait for the GPU. `moe`:
-    the MoE handle of a mixture-of-experts model (sft/models/moe.py), whose load-balancing term joins
-    the loss inside its blocks."""
+    token count), both still on the device: nothing here makes the host wait for the GPU. A
+    mixture-of-experts model's load-balancing term (its MoE handle, sft/models/moe.py) joins the
+    loss inside its blocks."""
+    model, moe = built.model, built.moe
     inputs = [loss_inputs(b, dims) for b in micro_batches]
     # The real tokens of this rank's rows (for MoE), of its share of them under context parallelism.
     real = [rank_share(b["real_tokens"].float(), dims) if dims is not None and dims.cp_enabled else b["real_tokens"]
@@ -215,7 +217,7 @@ def forward_backward(model: nn.Module, micro_batches: list[dict[str, torch.Tenso
             model.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
             moe.begin_micro_batch(to_device(real[i], device))
-        loss = model.sft_loss(**on_device(batch, device))
+        loss = built.loss(**on_device(batch, device))
         if moe:
             moe.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()

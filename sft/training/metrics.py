@@ -19,6 +19,7 @@ from sft import atomic
 from sft.compile_cache import compiled_graphs
 from sft.config import LoggingConfig
 from sft.distributed import DistEnv, all_reduce_sum, log0, to_device
+from sft.models.architecture import text_config
 from sft.models.layers import attention_layer_count
 from sft.models.moe import parameters_per_token
 from sft.parallel.mesh import ParallelDims
@@ -142,7 +143,7 @@ class StepMetrics:
         log0(f"start-up took {startup_s:.1f} s (process start -> ready to train{': ' * bool(split)}{split})")
         self.first_step_extras = {"startup_s": startup_s, "startup_stages_s": stages,
                                   "host_peak_rss_gib_per_rank": host_peak_rss}
-        text = model.config.get_text_config()
+        text = text_config(model.config)
         # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
         self.trained, self.frozen = parameters_per_token(model)

@@ -18,14 +18,14 @@ from transformers import PreTrainedModel
 from sft.adapters.lora import LoRA, apply_lora
 from sft.config import DTYPES, Config
 from sft.distributed import log0, rank0_first
-from sft.models.build import (build_meta_model, decoder_blocks, materialize, real_buffers,
-                              use_causal_sdpa)
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model, materialize, real_buffers, use_causal_sdpa
 from sft.models.gated_deltanet import use_gated_deltanet_kernels
 from sft.models.moe import MoE, apply_moe
 from sft.models.packing import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
-from sft.training.loss import attach_sft_loss
+from sft.training.loss import SFTLoss, attach_sft_loss
 from sft.training.optim import apply_master_dtype
 
 
@@ -34,13 +34,14 @@ class TrainingModel:
     model: PreTrainedModel  # sharded, materialised, its weights not yet loaded
     moe: MoE | None  # the MoE handle (sft/models/moe.py); None for a dense model
     lora: LoRA | None  # the LoRA handle (sft/adapters/lora.py); None without LoRA
+    loss: SFTLoss  # loss(**loss_inputs(batch)): the summed cross-entropy (sft/training/loss.py)
 
 
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
     """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
     model = rank0_first(lambda: build_meta_model(cfg.model))
     # Stateful layers restart at each packed document, or one line before anything is allocated
-    rank0_first(lambda: check_packing(model, cfg.data.packing))
+    document_ends = rank0_first(lambda: check_packing(model, cfg.data.packing))
     rank0_first(lambda: use_gated_deltanet_kernels(model, device))  # fla's kernels on GPUs, or one line
     if (attention := model.config._attn_implementation) != cfg.model.attn_implementation:
         log0(f"attention: {type(model).__name__} cannot run model.attn_implementation={cfg.model.attn_implementation} "
@@ -60,6 +61,6 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     buffers = real_buffers(model)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora)
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
-    attach_sft_loss(model)  # the fused lm_head + cross-entropy (refuses an output layer it cannot fuse)
+    loss = attach_sft_loss(model, document_ends, dims)  # the fused lm_head + cross-entropy
     model.train()
-    return TrainingModel(model, moe, lora)
+    return TrainingModel(model, moe, lora, loss)

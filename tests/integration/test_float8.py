@@ -22,7 +22,8 @@ sys.modules["torchao"] = None  # as if not installed: find_spec finds nothing, i
 from sft.config import ConfigError, load_config
 from sft.distributed import init_distributed
 from sft.parallel.float8 import precompute_float8_scales, precompute_scales_after_each_step
-from sft.models.build import build_meta_model, decoder_blocks
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 cfg = load_config(sys.argv[1], ["compile.enabled=false"])

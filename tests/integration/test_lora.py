@@ -295,7 +295,7 @@ def test_nf4_experts_keep_no_bf16_weight_and_match_their_dequantised_weights(com
     from transformers import AutoModelForCausalLM
 
     from sft.config import LoRAConfig, MoEConfig
-    from sft.models.build import decoder_blocks
+    from sft.models.architecture import decoder_blocks
     from sft.adapters.lora import apply_lora
     from sft.models.moe import apply_moe
     from sft.models.nf4 import is_nf4
@@ -349,7 +349,7 @@ def _kept_for_backward(mode: str, lora: bool, dynamic: bool = False, attention: 
     from transformers import AutoModelForCausalLM
 
     from sft.config import ACConfig, LoRAConfig, MoEConfig
-    from sft.models.build import decoder_blocks
+    from sft.models.architecture import decoder_blocks
     from sft.adapters.lora import apply_lora
     from sft.models.moe import MoE, apply_moe
     from sft.parallel.activation_checkpointing import apply_ac

@@ -286,7 +286,8 @@ def checkpointer(tmp_path):
     from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed
-    from sft.models.build import build_meta_model, load_tokenizer
+    from sft.models.build import build_meta_model
+    from sft.hub.tokenizer import load_tokenizer
 
     data = tmp_path / "d.jsonl"
     data.write_text("{}\n")
@@ -362,7 +363,8 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     from sft.checkpoint.manager import Checkpointer
     from sft.config import load_config
     from sft.distributed import init_distributed
-    from sft.models.build import build_meta_model, load_tokenizer
+    from sft.models.build import build_meta_model
+    from sft.hub.tokenizer import load_tokenizer
 
     committed, every, keep, total, resumed, more = ROOM_CASES[case]
     data = tmp_path / "d.jsonl"

@@ -9,7 +9,8 @@ import torch
 
 from helpers import DEMO_MODEL, OpCounter
 from sft.config import ACConfig, ModelConfig
-from sft.models.build import build_meta_model, decoder_blocks
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model
 from sft.parallel.activation_checkpointing import apply_ac
 from sft.parallel.activation_checkpointing import kept_bytes_per_token
 from sft.plan import Shapes

@@ -144,7 +144,8 @@ def test_shipped_configs_validate(path, tmp_path, monkeypatch):
 @pytest.mark.parametrize("key, value", [("name_or_path", "./no/such/model"), ("tokenizer", "/no/such/tokenizer")])
 def test_a_missing_model_directory_names_its_key(key, value):
     from sft.config import ModelConfig
-    from sft.models.build import ModelError, load_tokenizer
+    from sft.models.build import ModelError
+    from sft.hub.tokenizer import load_tokenizer
 
     cfg = ModelConfig(**{"name_or_path": str(REPO / "configs" / "demo" / "model"), key: value})
     with pytest.raises(ModelError) as err:
@@ -155,7 +156,8 @@ def test_a_missing_model_directory_names_its_key(key, value):
 def test_the_lora_demo_before_its_base_is_written_says_how_to_write_it(monkeypatch, tmp_path):
     """configs/demo_lora.yaml run directly, before `make demo-lora` wrote its base: not a hub error."""
     from sft.config import ModelConfig
-    from sft.models.build import ModelError, load_tokenizer
+    from sft.models.build import ModelError
+    from sft.hub.tokenizer import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
     name = yaml.safe_load((REPO / "configs" / "demo_lora.yaml").read_text())["model"]["name_or_path"]

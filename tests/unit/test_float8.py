@@ -8,7 +8,8 @@ from torch import nn
 
 from helpers import REPO, compiled_demo_config, model_dir
 from sft.config import ConfigError, ModelConfig, check_machine, load_config
-from sft.models.build import build_meta_model, decoder_blocks
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model
 
 
 FLOAT8_ON = ["precision.float8=tensorwise"]

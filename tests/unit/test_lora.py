@@ -22,7 +22,8 @@ BAD_TARGETS = {
 @pytest.mark.parametrize("key, value", list(BAD_TARGETS), ids=[key for key, _ in BAD_TARGETS])
 def test_names_that_match_nothing_are_one_error_listing_what_there_is(key, value):
     from sft.config import LoRAConfig, ModelConfig
-    from sft.models.build import build_meta_model, decoder_blocks
+    from sft.models.architecture import decoder_blocks
+    from sft.models.build import build_meta_model
     from sft.adapters.lora import LoRAError, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
@@ -33,7 +34,8 @@ def test_names_that_match_nothing_are_one_error_listing_what_there_is(key, value
 
 def test_only_the_adapters_and_the_modules_to_save_train_and_the_names_stay():
     from sft.config import LoRAConfig, ModelConfig
-    from sft.models.build import build_meta_model, decoder_blocks
+    from sft.models.architecture import decoder_blocks
+    from sft.models.build import build_meta_model
     from sft.adapters.lora import LoRALinear, apply_lora
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
@@ -73,7 +75,7 @@ def test_adapters_in_peft_format_load_with_peft_as_the_merged_model(tmp_path, mo
 
     from helpers import saved_model_dir
     from sft.config import LoRAConfig
-    from sft.models.build import decoder_blocks
+    from sft.models.architecture import decoder_blocks
     from sft.adapters.lora import apply_lora
     from sft.adapters.peft_format import in_model, merged, read_adapter, unmatched, write_adapter
     from zoo import OVERRIDES
@@ -129,7 +131,7 @@ def test_experts_name_routed_experts_only_where_there_are_some():
     from transformers import AutoModelForCausalLM
 
     from sft.config import LoRAConfig
-    from sft.models.build import decoder_blocks
+    from sft.models.architecture import decoder_blocks
     from sft.adapters.lora import LoRAError, apply_lora
 
     with torch.device("meta"):

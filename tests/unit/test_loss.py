@@ -118,11 +118,11 @@ def test_the_head_scales_and_truncates_the_logits_as_the_model_s_forward_does():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("inkling_text", unpadded_vocab_size=TINY["vocab_size"] - 9,
                                                          logits_mup_width_multiplier=3.0))
-    attach_sft_loss(model)
+    loss = attach_sft_loss(model)
     ids = torch.randint(3, TINY["vocab_size"] - 9, (2, 24))
     batch = {"input_ids": ids, "position_ids": torch.arange(24).expand(2, 24), "labels": ids.clone()}
     inputs = loss_inputs(batch)
-    ours = model.sft_loss(**inputs) / len(inputs["target_ids"])
+    ours = loss(**inputs) / len(inputs["target_ids"])
     ours.backward()
     grad = model.lm_head.weight.grad.clone()
     model.zero_grad()

@@ -14,7 +14,8 @@ from safetensors import safe_open
 from helpers import DEMO_MOE_MODEL, OpCounter, gpt_oss_model_dir, hf_moe_model, moe_model_dir
 from sft.config import ACConfig, MoEConfig, ModelConfig
 from sft.hub.weights import SafetensorsWeights
-from sft.models.build import build_meta_model, decoder_blocks
+from sft.models.architecture import decoder_blocks
+from sft.models.build import build_meta_model
 from sft.models.experts import _per_expert_linear, grouped_linear
 from sft.models.moe import apply_moe
 from sft.parallel.activation_checkpointing import apply_ac

@@ -27,11 +27,12 @@ def model():
     m = build_meta_model(cfg)
     materialize(m, real_buffers(m), torch.device("cpu"))
     load_weights(m, initial_weights(cfg, 0, m), torch.device("cpu"))
-    attach_sft_loss(m)
-    return m.eval()
+    m.eval()
+    return m, attach_sft_loss(m)
 
 
 def test_document_inside_a_pack_sees_only_itself(model):
+    model, _ = model
     a, b = synthetic_global_batch(2, seed=1)
     packed = collate_packed([[a, b]], pad_token_id=0, row_len=128)
     alone = collate([b], pad_token_id=0, max_seq_len=128)
@@ -46,6 +47,7 @@ def test_document_inside_a_pack_sees_only_itself(model):
 
 
 def test_packed_loss_equals_padded_loss(model):
+    _, loss = model
     samples = synthetic_global_batch(12, seed=2)
     rows = pack_best_fit([len(s["input_ids"]) for s in samples], 96)
     assert len(rows) < len(samples)  # several documents share rows
@@ -56,8 +58,7 @@ def test_packed_loss_equals_padded_loss(model):
 
     assert count(packed) == count(padded)  # no label predicts across a document boundary
     with torch.no_grad():
-        assert model.sft_loss(**loss_inputs(packed)).item() == pytest.approx(
-            model.sft_loss(**loss_inputs(padded)).item(), rel=1e-5)
+        assert loss(**loss_inputs(packed)).item() == pytest.approx(loss(**loss_inputs(padded)).item(), rel=1e-5)
 
 
 def test_best_fit_decreasing_places_every_sample_once():
@@ -203,8 +204,7 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
         pytest.skip(f"transformers {transformers.__version__}'s {layers} pass no keyword arguments on (refused, "
                     "as tested below)")  # LFM2's in transformers 5.17
     assert sys.modules[layer.__module__] in [m for found in restarting_modules(model).values() for m in found]
-    check_packing(model, packing=True)
-    assert model.sft_document_ends
+    assert check_packing(model, packing=True)  # the loss passes packed rows' document ends to these layers
     assert cp_unsupported(model) is None
     documents = [torch.randint(3, 800, (n,), device=device) for n in (5, 70, 1)]  # shorter than the taps, over a
     decoder = model.get_decoder()  # 64-token chunk
