@@ -95,3 +95,46 @@ def test_the_sft_imports_at_the_top_of_a_module_are_sorted():
         if top != sorted(top):
             unsorted.append(str(path.relative_to(REPO)))
     assert unsorted == []
+
+
+# Attributes assigned on these are on our own objects: not patch points (docs/patch-points.md)
+OWN_OBJECTS = {"self", "cls", "ctx", "error", "value", "cfg"}
+
+
+def _patch_points(tree: ast.Module, path: str) -> set[str]:
+    """`path:function` of every place in `tree` that assigns an attribute of an object not in OWN_OBJECTS,
+    or calls setattr or a `.register(...)` (transformers' AttentionInterface; not atexit's)."""
+    found = set()
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                inner = f"{where}.{child.name}" if where else child.name
+            targets = (child.targets if isinstance(child, ast.Assign) else
+                       [child.target] if isinstance(child, ast.AugAssign | ast.AnnAssign) else [])
+            for target in (t for top in targets for t in ast.walk(top)):
+                if isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store):
+                    root = target
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    if not (isinstance(root, ast.Name) and root.id in OWN_OBJECTS):
+                        found.add(f"{path}:{where}")
+            if isinstance(child, ast.Call):
+                called = ast.unparse(child.func)
+                if called == "setattr" or (called.endswith(".register") and called != "atexit.register"):
+                    found.add(f"{path}:{where}")
+            visit(child, inner)
+
+    visit(tree, "")
+    return found
+
+
+def test_every_patch_point_is_listed():
+    """A place that changes an object of torch, transformers or torchao (or the model they built) is a
+    row of docs/patch-points.md, and every row names a place that still does."""
+    in_code = set().union(*(_patch_points(tree, str(path.relative_to(REPO))) for path, tree in SOURCES.items()))
+    table = (REPO / "docs" / "patch-points.md").read_text()
+    listed = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| sft/")}
+    assert sorted(in_code - listed) == [], "list these in docs/patch-points.md (what they change, the kind, why)"
+    assert sorted(listed - in_code) == [], "these rows of docs/patch-points.md name no patch point any more"
