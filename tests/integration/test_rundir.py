@@ -359,12 +359,9 @@ ROOM_CASES = {
 @pytest.mark.parametrize("case", list(ROOM_CASES))
 def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(tmp_path, monkeypatch, capsys, case):
     """The 14B save that filled a 234 GiB disk after minutes of writing: said before training."""
-    from sft.config import STATE_BYTES
-    from sft.checkpoint.manager import Checkpointer
-    from sft.config import load_config
-    from sft.distributed import init_distributed
+    from sft.checkpoint.resume import check_room
+    from sft.config import STATE_BYTES, load_config
     from sft.models.build import build_meta_model
-    from sft.hub.tokenizer import load_tokenizer
 
     committed, every, keep, total, resumed, more = ROOM_CASES[case]
     data = tmp_path / "d.jsonl"
@@ -375,20 +372,15 @@ def test_a_run_whose_checkpoints_will_not_fit_is_warned_before_the_weights_load(
     for step in committed:
         (cfg.checkpoints_dir / f"step-{step}").mkdir(parents=True)
     model = build_meta_model(cfg.model)
-    env = init_distributed()  # a world of one in this process
-    try:
-        ckpt = Checkpointer(cfg, load_tokenizer(cfg.model), env)
-        size = STATE_BYTES.checkpoint * sum(p.numel() for p in model.parameters())
-        resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
-        real = shutil.disk_usage(tmp_path)
-        for free, warned in ((more * size, False), (more * size - 1, True)):
-            monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: real._replace(free=free))
-            ckpt.check_room(model, None, resume_from, total)
-            out = capsys.readouterr().out
-            assert (f"and this run's checkpoints need up to {more * size / 2**20:.1f} MiB more ({more} of " in out) == warned
-            assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned
-    finally:
-        torch.distributed.destroy_process_group()
+    size = STATE_BYTES.checkpoint * sum(p.numel() for p in model.parameters())
+    resume_from = cfg.checkpoints_dir / f"step-{resumed}" if resumed else None
+    real = shutil.disk_usage(tmp_path)
+    for free, warned in ((more * size, False), (more * size - 1, True)):
+        monkeypatch.setattr(shutil, "disk_usage", lambda path, free=free: real._replace(free=free))
+        check_room(cfg, model, None, resume_from, total)
+        out = capsys.readouterr().out
+        assert (f"and this run's checkpoints need up to {more * size / 2**20:.1f} MiB more ({more} of " in out) == warned
+        assert ("free space, lower checkpoint.keep_last or set train.output_dir" in out) == warned
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(finished, demo_data):
