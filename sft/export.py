@@ -37,7 +37,7 @@ from sft.hub.layout import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.hub.tokenizer import load_tokenizer
 from sft.hub.vision_language import KEPT, FileNames, checkpoint_class
 from sft.hub.weights import initial_weights
-from sft.models.architecture import tied_embeddings
+from sft.models.architecture import text_config
 from sft.models.build import build_meta_model, persistent_buffers
 
 
@@ -173,7 +173,7 @@ def _write_adapter(checkpoint: Path, lora: LoRAConfig, base: str, base_weights: 
     # them tied (ensure_weight_tying), and then reads both.
     names = {module: name for name, module in model.named_modules()}
     embedding, head = names[model.get_input_embeddings()], names[model.get_output_embeddings()]
-    tied = tied_embeddings(model.config) and f"{embedding}.weight" in trained
+    tied = text_config(model.config).tie_word_embeddings and f"{embedding}.weight" in trained
     if tied:
         trained[f"{head}.weight"] = trained[f"{embedding}.weight"].clone()
     write_adapter(out, trained, lora, base, base_weights, tied, model)

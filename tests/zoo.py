@@ -1,15 +1,17 @@
 """The model zoo: every causal-LM family of the installed transformers (and the vision-language ones
 whose language model has a causal class), as a tiny random model from its own config class, through
-our path: built as train.py builds it (sft/models/build.py: attention it can run, the language model
-of a vision-language checkpoint, our MoE blocks, exact packing or its refusal), its random weights
-saved by transformers (`save_pretrained`: experts one tensor each, renamed, q/k/v apart, as published)
-and read through our loader (its loss then equal to the model transformers loads from the same files),
-a few steps of AdamW on one batch (the loss falls), packed against padded rows (the loss within 1e-6,
-every gradient within 1e-4 of its tensor's largest entry, or refused in one line), the export as
-sft.export writes it loaded back by transformers (the same class, the next-token loss of its logits
-equal to ours, causal; a vision-language checkpoint's: the original class, its language model's
-tensors as trained, its vision tower as the source's), and whether context parallelism (its loss
-with its attention through context parallelism's equal to its own), expert parallelism and LoRA take it. A row whose reference cannot run says so in its status.
+our path: built as train.py builds it (`build_training_model`, on a world of one: attention it can
+run, the language model of a vision-language checkpoint, our MoE blocks, exact packing where it
+packs, FSDP) and filled as a run fills it (`load_model_weights`) from its random weights saved by
+transformers (`save_pretrained`: experts one tensor each, renamed, q/k/v apart, as published), its
+loss then equal to the model transformers loads from the same files; a few steps of AdamW on one
+batch (the loss falls), packed against padded rows (the loss within 1e-6, every gradient within
+1e-4 of its tensor's largest entry, or refused in one line), the export as sft.export writes it
+loaded back by transformers (the same class, the next-token loss of its logits equal to ours,
+causal; a vision-language checkpoint's: the original class, its language model's tensors as
+trained, its vision tower as the source's), and whether context parallelism (the model built with
+it, its loss equal to its own), expert parallelism and LoRA take it. A row whose reference cannot
+run says so in its status.
 
     python tests/zoo.py            # writes docs/models.md from the results (make models-doc)
 
@@ -94,17 +96,19 @@ def check_family(family: str, tmp: Path) -> Row:
     """The row of `family`: what our path does with its tiny model (see the module's docstring)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from sft.config import LoRAConfig, ModelConfig, MoEConfig
-    from sft.data.collate import collate, collate_packed
-    from sft.models.architecture import decoder_blocks
-    from sft.models.build import build_meta_model, materialize, model_config, persistent_buffers, real_buffers
-    from sft.export import write_model
     from sft.adapters.lora import apply_lora
+    from sft.checkpoint.model_weights import load_model_weights
+    from sft.config import Config, DataConfig, FSDPConfig, LoRAConfig, ModelConfig, MoEConfig
+    from sft.data.collate import collate, collate_packed
+    from sft.export import write_model
+    from sft.hub.weights import write_model_files
+    from sft.models.architecture import decoder_blocks
+    from sft.models.build import build_meta_model, model_config
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
     from sft.models.vision_language import is_vision_language
-    from sft.hub.weights import SafetensorsWeights, load_weights, write_model_files
-    from sft.training.loss import attach_sft_loss
+    from sft.parallel.mesh import ParallelDims
+    from sft.training.model import build_training_model
 
     row = Row(family)
     model_type = family.removesuffix(" (vision-language)")
@@ -128,9 +132,8 @@ def check_family(family: str, tmp: Path) -> Row:
     stateful = stateful_layers(model)
     row.kind = ("vision-language, " if vision_language else "") + (
         "MoE" + (" (general path)" if moe.general else "") if moe else "dense") + (", hybrid" if stateful else "")
-    restarts = False  # packed documents' ends reach its layers
     try:
-        restarts = check_packing(model, packing=True)
+        check_packing(model, packing=True)
         row.packing = "exact" if stateful else "yes"
     except Exception as e:  # noqa: BLE001
         row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"
@@ -145,12 +148,17 @@ def check_family(family: str, tmp: Path) -> Row:
     try:
         if not vision_language:
             directory = _saved_by_transformers(cfg, tmp / f"saved_{model_type}")
-        buffers = real_buffers(model)
-        materialize(model, buffers, torch.device("cpu"))
-        weights = SafetensorsWeights(str(directory), model)
-        weights.check()
-        load_weights(model, weights, torch.device("cpu"))
-        loss = attach_sft_loss(model, restarts)
+        # As a run builds it (sft/training/model.py: packed rows where the family packs), on one rank,
+        # in float32, and fills it (sft/checkpoint/model_weights.py) from the files transformers saved
+        packs = row.packing in ("yes", "exact")
+        run = Config(model=dataclasses.replace(cfg, name_or_path=str(directory)), data=DataConfig(packing=packs),
+                     fsdp=FSDPConfig(param_dtype="float32"))
+        env = _one_rank()
+        built = build_training_model(run, ParallelDims(1).build("cpu"), env.device)
+        model, moe, loss = built.model, built.moe, built.loss
+        # before any forward, as train.py: FSDP leaves the root and last block unsharded after a no_grad forward
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        load_model_weights(run, model, env)
         samples = synthetic_global_batch(4)
         padded, packed = collate(samples, 0, 256), collate_packed([samples[:2], samples[2:]], 0, 256)
         with torch.no_grad():  # before training: the loss of the model transformers loads from the same files
@@ -167,11 +175,10 @@ def check_family(family: str, tmp: Path) -> Row:
         if reference is not None and not abs(ours - reference) <= 1e-4 * abs(reference):
             row.status = f"loads otherwise than transformers ({ours:.5f} here, {reference:.5f} there)"
             return row
-        if row.cp == "yes" and abs((split := _context_parallel_loss(model, restarts, padded)) - ours) > 1e-5 * abs(ours):
+        if row.cp == "yes" and abs((split := _context_parallel_loss(run, env, padded)) - ours) > 1e-5 * abs(ours):
             row.cp = "differs from cp 1"
             row.status = f"its attention under context parallelism differs ({split:.6f} there, {ours:.6f} here)"
             return row
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for _ in range(STEPS):
             losses.append(_backward(loss, moe, padded))
@@ -201,16 +208,16 @@ def check_family(family: str, tmp: Path) -> Row:
             model_files.mkdir()
             export.mkdir()
             write_model_files(cfg, model, model_files)
-            tensors = {**dict(model.named_parameters()), **persistent_buffers(model)}  # what an export writes
+            tensors = _trained(model)  # what an export writes
             write_model(((n, t.detach()) for n, t in tensors.items()), model, model_files, export, "float32")
             if vision_language:
                 loaded = AutoModelForImageTextToText.from_pretrained(export, attn_implementation="eager")
-                if problem := _vision_language_export_problem(loaded, model, directory, export):
+                if problem := _vision_language_export_problem(loaded, model, tensors, directory, export):
                     row.status = problem
                     return row
             else:
                 loaded = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
-                if type(loaded) is not type(model):
+                if type(loaded).__name__ != row.cls:
                     row.status = f"exports as {type(loaded).__name__}"
                     return row
             if reference is not None:
@@ -231,7 +238,27 @@ def check_family(family: str, tmp: Path) -> Row:
     return row
 
 
-def _vision_language_export_problem(loaded, model, source: Path, export: Path) -> str | None:
+def _one_rank():
+    """This process's world of one (gloo), made once: the zoo builds every family as a run does."""
+    import torch.distributed as dist
+
+    from sft.distributed import DistEnv, init_distributed
+
+    return init_distributed() if not dist.is_initialized() else DistEnv(0, 0, 1, torch.device("cpu"))
+
+
+def _trained(model) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers, whole, by their Hugging Face names."""
+    from torch.distributed.tensor import DTensor
+
+    from sft.models.build import clean_name, persistent_buffers
+
+    whole = {clean_name(n): p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+             for n, p in model.named_parameters()}
+    return {**whole, **persistent_buffers(model)}
+
+
+def _vision_language_export_problem(loaded, model, trained: dict, source: Path, export: Path) -> str | None:
     """What is wrong with the export of a vision-language checkpoint's language model `model`
     (trained), from the checkpoint `source`, as transformers `loaded` it from `export`; None if nothing: the
     original class, every tensor of its language model equal to ours, and every other (the vision
@@ -240,11 +267,14 @@ def _vision_language_export_problem(loaded, model, source: Path, export: Path) -
     if type(loaded).__name__ != original:
         return f"exports as {type(loaded).__name__}, not {original}"
     # the language model: transformers' (a causal class for Llama-4, a text model elsewhere) against ours
+    from sft.models.architecture import decoder
+
     language_model = loaded.get_decoder()
-    ours = model if type(language_model) is type(model) else model.get_decoder()
+    prefix = "" if isinstance(model, type(language_model)) else decoder(model)[0] + "."
     theirs = language_model.state_dict()
-    wrong = [name for name, tensor in ours.state_dict().items() if not torch.equal(theirs.get(name), tensor)]
-    if wrong or not torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight):
+    ours = {name.removeprefix(prefix): tensor for name, tensor in trained.items() if name.startswith(prefix)}
+    wrong = [name for name, tensor in ours.items() if not torch.equal(theirs.get(name), tensor)]
+    if wrong or not torch.equal(loaded.get_output_embeddings().weight, model.get_output_embeddings().weight.full_tensor()):
         return f"its export loads another language model ({len(wrong)} tensors differ, e.g. {(wrong or ['lm_head'])[0]})"
 
     # the rest (vision tower, projector): as transformers loads it from the source checkpoint
@@ -301,32 +331,30 @@ def _loss(loss, batch: dict) -> float:
     return loss(**inputs).item() / len(inputs["target_ids"])
 
 
-def _context_parallel_loss(model, restarts: bool, batch: dict) -> float:
-    """`_loss` with the model's attention that of context parallelism (sft/parallel/context_parallel.py),
-    over a group of this one process: the family's attention layers through that interface (what
-    they pass it, multi-head latent attention's widths), the whole row on this rank. The exchange
-    between ranks is tested on 2 and 4 gloo ranks (tests/integration/test_distributed.py)."""
+def _context_parallel_loss(run, env, batch: dict) -> float:
+    """`_loss` of the model `run` builds with context parallelism (sft/parallel/context_parallel.py), over
+    a group of this one process: the family's attention layers through
+    that interface (what they pass it, multi-head latent attention's widths), the whole row on this
+    rank. The exchange between ranks is tested on 2 and 4 gloo ranks (tests/integration/test_distributed.py)."""
+    from sft.checkpoint.model_weights import load_model_weights
+    from sft.parallel.mesh import ParallelDims
+    from sft.training.loss import loss_inputs
+    from sft.training.model import build_training_model
+
     import torch.distributed as dist
 
-    from sft.parallel.context_parallel import apply_context_parallel
-    from sft.training.loss import attach_sft_loss, loss_inputs
+    class ContextParallelOnOneRank(ParallelDims):
+        cp_enabled = True  # a cp group of one: rows whole on this rank, attention through context parallelism's
+        cp_group_name = dist.group.WORLD.group_name
 
-    alone = not dist.is_initialized()
-    if alone:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    one_rank = argparse.Namespace(cp=1, cp_rank=0, cp_enabled=True, cp_group_name=dist.group.WORLD.group_name)
-    implementation, training = model.config._attn_implementation, model.training
-    try:
-        apply_context_parallel(model, one_rank, None)
-        model.eval()  # as `_loss`'s reference ran: no dropout
-        with torch.no_grad():
-            inputs = loss_inputs(batch, one_rank)
-            return attach_sft_loss(model, restarts, one_rank)(**inputs).item() / len(inputs["target_ids"])
-    finally:
-        model.config._attn_implementation = implementation
-        model.train(training)
-        if alone:
-            dist.destroy_process_group()
+    world = ParallelDims(1).build("cpu")
+    dims = ContextParallelOnOneRank(**{f.name: getattr(world, f.name) for f in dataclasses.fields(world)})
+    built = build_training_model(run, dims, env.device)
+    load_model_weights(run, built.model, env)
+    built.model.eval()  # as `_loss`'s reference ran: no dropout
+    with torch.no_grad():
+        inputs = loss_inputs(batch, dims)
+        return built.loss(**inputs).item() / len(inputs["target_ids"])
 
 
 def _backward(loss, moe, batch: dict) -> float:
@@ -347,7 +375,7 @@ def _loss_and_grads(model, loss, moe, batch: dict) -> tuple[float, dict[str, tor
     """Our loss of `batch` and the gradient of every parameter."""
     model.zero_grad()
     value = _backward(loss, moe, batch)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     return value, grads
 

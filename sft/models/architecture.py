@@ -1,10 +1,6 @@
-"""What a model is, as transformers' objects say it: the one place that reads the architecture.
-
-The language model's config (`text_config`: a vision-language checkpoint's text part, or the
-config itself), the stack of decoder blocks under the head (`decoder`, `decoder_blocks`), what the
-head does to the logits (`Logits`) and whether the head shares the embedding (`tied_embeddings`).
-Everything else asks these; the kinds of its layers are sft/models/layers.py's.
-"""
+"""What a model is, as transformers' objects say it: the language model's config, the decoder and
+its blocks, what the head does to the logits. Everything else asks these (its layers' kinds:
+sft/models/layers.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +17,6 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return config.get_text_config()
 
 
-def tied_embeddings(config: PretrainedConfig) -> bool:
-    """Whether the output layer is the input embedding (one tensor in the files)."""
-    return bool(text_config(config).tie_word_embeddings)
-
-
 @dataclass(frozen=True)
 class Logits:
     """What a model's head does to hidden @ lm_head.T before the softmax (transformers' forward of
@@ -38,8 +29,17 @@ class Logits:
     vocab: int | None = None
 
     @classmethod
-    def of(cls, config: PretrainedConfig) -> Logits:
-        text = text_config(config)
+    def of(cls, model: PreTrainedModel) -> Logits:
+        """`model`'s head, or one line where the fused lm_head + cross-entropy cannot compute it."""
+        name = type(model).__name__
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise UserError(f"{name}: the output layer is not a bias-free Linear, which the fused lm_head + "
+                            "cross-entropy needs; this architecture is not supported")
+        text = text_config(model.config)
+        if getattr(text, "logits_soft_cap", None) or "final_logits_bias" in dict(model.named_buffers()):
+            raise UserError(f"{name}: its head post-processes logits in a way the fused lm_head + cross-entropy "
+                            "does not (a logits_soft_cap or a final_logits_bias); this architecture is not supported")
 
         def key(name: str, default):
             value = getattr(text, name, None)
@@ -60,10 +60,18 @@ def decoder(model: PreTrainedModel) -> tuple[str, nn.Module]:
 
 
 def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
-    """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code)."""
+    """The repeated decoder blocks, found from the model's own `_no_split_modules` (no per-arch code):
+    the outermost modules of those classes (Mamba's list names its block and the mixer inside it), or,
+    where the class names none (BioGPT, CTRL, RoBERTa's decoder), the one list of modules of a class
+    under the decoder."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     # Through the MRO, so blocks are still found once FSDP has swapped in its FSDP<Block> subclass.
-    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    found = {name: m for name, m in model.named_modules() if any(c.__name__ in names for c in type(m).__mro__)}
+    blocks = [m for name, m in found.items() if not any(name.startswith(f"{outer}.") for outer in found)]
+    if not blocks:
+        lists = [children for children in decoder(model)[1].modules() if isinstance(children, nn.ModuleList)
+                 and len(children) and len({type(child) for child in children}) == 1]
+        blocks = list(lists[0]) if len(lists) == 1 else []
     if not blocks:
         raise UserError(f"{type(model).__name__}: cannot find its decoder blocks "
                         f"(_no_split_modules={sorted(names)}); this architecture is not supported")

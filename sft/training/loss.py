@@ -20,15 +20,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import PreTrainedModel
 
 from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
-from sft.models.architecture import Logits, decoder, text_config
-from sft.models.build import ModelError
+from sft.models.architecture import Logits, decoder
 from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
 from sft.parallel.context_parallel import attention_masks, attention_windows, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
@@ -165,25 +163,18 @@ def _sft_loss(model: PreTrainedModel, setting: LossSetting, input_ids: torch.Ten
 SFTLoss = Callable[..., torch.Tensor]  # loss(**loss_inputs(batch)) -> the summed cross-entropy
 
 
-def attach_sft_loss(model: PreTrainedModel, document_ends: bool = False, dims: ParallelDims | None = None) -> SFTLoss:
-    """The fused loss of the (FSDP-sharded) model: `loss(**loss_inputs(batch))`. `document_ends`:
-    its layers restart per packed document (`check_packing`); `dims`: the mesh, for context parallelism.
+def attach_sft_loss(model: PreTrainedModel, head: Logits | None = None, document_ends: bool = False,
+                    dims: ParallelDims | None = None) -> SFTLoss:
+    """The fused loss of the (FSDP-sharded) model: `loss(**loss_inputs(batch))`. `head`: what its
+    head does (`Logits.of`, checked before the model was sharded); `document_ends`: its layers restart
+    per packed document (`check_packing`); `dims`: the mesh, for context parallelism.
 
     FSDP gathers the root unit's parameters (embeddings, final norm, lm_head) only around a forward
     method of the model, which its public API registers by name: `model.sft_loss` is that one
     attribute. What the loss knows lives in its `LossSetting`, not on the model.
     """
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ModelError(f"{type(model).__name__}: the output layer is not a bias-free Linear, which the fused "
-                         "lm_head + cross-entropy needs; this architecture is not supported")
-    text = text_config(model.config)
-    if getattr(text, "logits_soft_cap", None) or "final_logits_bias" in dict(model.named_buffers()):
-        raise ModelError(f"{type(model).__name__}: its head post-processes logits in a way the fused lm_head + "
-                         "cross-entropy does not (a logits_soft_cap or a final_logits_bias); this architecture is "
-                         "not supported")
     cp = dims is not None and dims.cp_enabled
-    setting = LossSetting(Logits.of(model.config), document_ends, dims.cp_group_name if cp else None,
+    setting = LossSetting(head or Logits.of(model), document_ends, dims.cp_group_name if cp else None,
                           attention_windows(model.config) if cp else (None,))
     model.sft_loss = functools.partial(_sft_loss, model, setting)
     register_fsdp_forward_method(model, "sft_loss")

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from sft.adapters.lora import LoRA, apply_lora
 from sft.config import DTYPES, Config
 from sft.distributed import log0, rank0_first
-from sft.models.architecture import decoder_blocks
+from sft.models.architecture import Logits, decoder_blocks
 from sft.models.build import build_meta_model, materialize, real_buffers, use_causal_sdpa
 from sft.models.gated_deltanet import use_gated_deltanet_kernels
 from sft.models.moe import MoE, apply_moe
@@ -40,6 +40,7 @@ class TrainingModel:
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
     """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
     model = rank0_first(lambda: build_meta_model(cfg.model))
+    head = rank0_first(lambda: Logits.of(model))  # the fused lm_head + cross-entropy computes it, or one line
     # Stateful layers restart at each packed document, or one line before anything is allocated
     document_ends = rank0_first(lambda: check_packing(model, cfg.data.packing))
     rank0_first(lambda: use_gated_deltanet_kernels(model, device))  # fla's kernels on GPUs, or one line
@@ -61,6 +62,6 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     buffers = real_buffers(model)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora)
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
-    loss = attach_sft_loss(model, document_ends, dims)  # the fused lm_head + cross-entropy
+    loss = attach_sft_loss(model, head, document_ends, dims)  # the fused lm_head + cross-entropy
     model.train()
     return TrainingModel(model, moe, lora, loss)
