@@ -7,7 +7,7 @@ next to transformers' `from_pretrained` of the same files, on this machine's CPU
 The presets are the [startup] issue's cases: `cpu` Qwen3-MoE, 8 blocks of 128 experts, 0.4 GB in
 bf16 (3,072 expert tensors); `qwen3.5-35b-a3b-12` Qwen3.5-35B-A3B's widths, 12 of its 40 blocks,
 21 GB (9,216 expert tensors). Both sides load bf16 onto `--device`; the page cache is warmed by a
-first read of every file.
+first read of every file. Each repeat checks that ours loaded what transformers loads, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from sft.config import ModelConfig
 from sft.models.build import build_meta_model, materialize, real_buffers
+from sft.hub import weights as weights_module
 from sft.hub.weights import SafetensorsWeights, load_weights
 
 
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, nargs="+", default=[weights_module.READ_THREADS],
+                        help="our loader's reading threads (sft/hub/weights.py: READ_THREADS), each timed")
     args = parser.parse_args()
     device = torch.device(args.device)
     if not (args.directory / "config.json").is_file():
@@ -50,25 +53,34 @@ def main() -> None:
     for file in args.directory.glob("*.safetensors"):  # warm the page cache for both sides
         file.read_bytes()
     size = sum(file.stat().st_size for file in args.directory.glob("*.safetensors"))
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.repeats):
-        model = build_meta_model(ModelConfig(name_or_path=str(args.directory))).to(torch.bfloat16)
-        materialize(model, real_buffers(model), device)
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        t0 = time.perf_counter()
-        weights = SafetensorsWeights(str(args.directory), model)
-        weights.check()
-        load_weights(model, weights, device)
-        synchronize()
-        ours = time.perf_counter() - t0
-        del model, weights
+        ours = {}
+        for threads in args.threads:
+            weights_module.READ_THREADS = threads
+            model = build_meta_model(ModelConfig(name_or_path=str(args.directory))).to(torch.bfloat16)
+            materialize(model, real_buffers(model), device)
+            t0 = time.perf_counter()
+            weights = SafetensorsWeights(str(args.directory), model)
+            weights.check()
+            checked = time.perf_counter() - t0
+            load_weights(model, weights, device)
+            synchronize()
+            ours[threads] = time.perf_counter() - t0, checked
+            loaded = model.state_dict()
+            del model, weights
         t0 = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(args.directory, dtype=torch.bfloat16, device_map=args.device)
         synchronize()
         theirs = time.perf_counter() - t0
-        del model
-        print(f"{size / 1e9:.1f} GB on {args.device}: ours {ours:.2f} s (check and load, "
-              f"{size / 1e9 / ours:.2f} GB/s), from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)",
-              flush=True)
+        # the same weights, bit for bit
+        differ = [name for name, tensor in model.state_dict().items() if not torch.equal(loaded[name], tensor)]
+        assert not differ, f"{len(differ)} tensors differ from transformers', e.g. {differ[0]}"
+        del model, loaded
+        print(f"{size / 1e9:.1f} GB on {args.device}: ours " + ", ".join(
+            f"{t:.2f} s with {n} threads ({size / 1e9 / t:.2f} GB/s; the check {c:.2f} s)"
+            for n, (t, c) in ours.items())
+            + f" (check and load); from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":

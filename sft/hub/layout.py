@@ -205,9 +205,10 @@ class FileLayout:
             swapped = list(index)
             swapped[d0], swapped[d1] = index[d1], index[d0]
             return read(file, tuple(swapped)).transpose(d0, d1)
-        if self._last is None or self._last[0] != first:  # q, k and v of one split come from one conversion
-            self._last = first, self._convert(first, group, lambda file: read(file, ...))
-        return self._last[1][name][index]
+        last = self._last  # q, k and v of one split come from one conversion (read by several threads)
+        if last is None or last[0] != first:
+            last = self._last = first, self._convert(first, group, lambda file: read(file, ...))
+        return last[1][name][index]
 
     def _read_pieces(self, read, files: list[str], dim: int, index: tuple[slice, ...]) -> torch.Tensor:
         """Slice `index` of the concatenation of `files` along `dim`, reading only the pieces in it."""

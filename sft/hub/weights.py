@@ -1,9 +1,10 @@
 """Filling this rank's shards: each rank reads only its own slice of each tensor, so no rank ever
 holds a full copy of the weights.
 
-* pretrained: straight from the safetensors files (`safe_open(...).get_slice`), so each rank reads
-  1/world of the checkpoint and no collective is needed; tensors the files hold otherwise than the
-  model (one per expert, renamed, q/k/v apart) converted as transformers converts them (sft/hub/layout.py);
+* pretrained: straight from the safetensors files (sft/hub/safetensors_files.py: positional reads
+  of a shard's rows, several threads at once), so each rank reads 1/world of the checkpoint and no
+  collective is needed; tensors the files hold otherwise than the model (one per expert, renamed,
+  q/k/v apart) converted as transformers converts them (sft/hub/layout.py), on the device;
 * random: each parameter-holding module is initialised in full on the device by the
   architecture's own `_init_weights`, seeded by its name, one module at a time; the rank keeps its
   slice. The values are independent of the number of ranks.
@@ -15,20 +16,21 @@ import contextlib
 import functools
 import json
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from huggingface_hub import snapshot_download
 from transformers import AutoConfig, AutoModelForImageTextToText
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from sft.config import ModelConfig
 from sft.distributed import local_slice, rank0_first
 from sft.hub.layout import FileLayout, is_adapter, quantized_experts_problem
+from sft.hub.safetensors_files import DamagedFile, SafetensorsFiles
 from sft.hub.vision_language import KEPT, checkpoint_class, file_names, kept_names
 from sft.models.architecture import decoder
 from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
@@ -37,11 +39,10 @@ from sft.models.nf4 import full_shape, is_nf4, quantized
 from sft.models.vision_language import is_vision_language
 
 
-# Within SafetensorsWeights.reading, a file is closed (and opened again when next read) after an eighth of
-# it, at most REOPEN_AFTER_BYTES, was read from it: the file is memory-mapped, and closing it unmaps the
-# pages this rank touched, so host memory holds at most that much of the files beyond the rank's own
-# shards; each open parses the file's header again (a reopen every 64 MiB made a 22 GB load 1.5x slower).
-REOPEN_AFTER_BYTES = 512 * 2**20
+# Tensors read at once (`read_many`), each read and copied onto the device by a thread of its own, as
+# transformers' loader does (4 threads: more slow the page cache's reads down), and how many may be read
+# ahead of the one being stored: device memory holds at most that many more.
+READ_THREADS, READ_AHEAD = 4, 8
 
 
 class SafetensorsWeights:
@@ -54,25 +55,28 @@ class SafetensorsWeights:
         if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
             root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
         self.source, self.root = directory, root
-        self._open_files: dict | None = None  # the files `reading` keeps open, by name
         index = root / "model.safetensors.index.json"
         if index.is_file():
             try:
-                self.weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise self._damaged(index.name, f"{type(e).__name__}: {e}") from None
         elif (root / "model.safetensors").is_file():
-            with self._open("model.safetensors") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+            files = ["model.safetensors"]
         else:
             raise ModelError(f"model.name_or_path={directory!r}: no model.safetensors(.index.json) there; "
                              "download the weights (huggingface-cli download) or set model.init: random")
+        try:
+            self.files = SafetensorsFiles(root, files)  # every header parsed once
+        except (DamagedFile, OSError) as e:
+            raise self._damaged(getattr(e, "file", ""), " ".join(str(e).split())) from None
+        self.weight_map = {name: entry.file for name, entry in self.files.entries.items()}
         self.model = model
         self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
                        if not is_adapter(n)}
         # The language model of a vision-language checkpoint sits under a prefix of the files' own
         # (sft/models/vision_language.py); the identity for a text model.
-        self.file_shapes = self._file_shapes_by_name()  # the files' headers, read once
+        self.file_shapes = {name: entry.shape for name, entry in self.files.entries.items()}
         self.names = file_names(self.file_shapes, decoder(model)[0], tuple(model.get_input_embeddings().weight.shape))
 
     @functools.cached_property
@@ -88,52 +92,9 @@ class SafetensorsWeights:
         return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
                           "it again (huggingface-cli download), or give a complete model directory")
 
-    @contextlib.contextmanager
-    def _open(self, file: str) -> Iterator:
-        """One of the checkpoint's files, open (within `reading`, kept open); a file that is not
-        safetensors (truncated, empty, overwritten) is one ModelError naming it."""
-        if self._open_files is None:
-            with self._safe_open(file) as f:
-                yield f
-            return
-        if file not in self._open_files:
-            budget = min(REOPEN_AFTER_BYTES, (self.root / file).stat().st_size // 8)
-            self._open_files[file] = [self._safe_open(file).__enter__(), budget]
-        yield self._open_files[file][0]
-
-    def _safe_open(self, file: str):
-        try:
-            return safe_open(self.root / file, framework="pt", device="cpu")
-        except (SafetensorError, OSError) as e:
-            raise self._damaged(file, " ".join(str(e).split())) from None
-
-    def _have_read(self, file: str, nbytes: int) -> None:
-        """Within `reading`: `nbytes` more read from `file`; past its budget it is closed."""
-        if self._open_files is not None and file in self._open_files:
-            self._open_files[file][1] -= nbytes
-            if self._open_files[file][1] <= 0:
-                self._open_files.pop(file)[0].__exit__(None, None, None)
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
-        """Within it, a file stays open (its header, which lists every tensor of the file, parsed once:
-        a checkpoint of per-expert tensors has tens of thousands) until an eighth of it (at most
-        REOPEN_AFTER_BYTES) was read from it, and at the end."""
-        self._open_files = {}
-        try:
-            yield
-        finally:
-            files, self._open_files = self._open_files, None
-            for handle, _ in files.values():
-                handle.__exit__(None, None, None)
-
-    def _file_shapes_by_name(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape in the files, by name (their headers only)."""
-        shapes = {}
-        for file in sorted(set(self.weight_map.values())):
-            with self._open(file) as f:
-                shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-        return shapes
+    def reading(self) -> contextlib.AbstractContextManager:
+        """Within it, each file is opened once."""
+        return self.files.reading()
 
     def kept(self) -> list[str]:
         """The files' tensors the model does not hold (a vision-language checkpoint's vision tower)."""
@@ -146,10 +107,7 @@ class SafetensorsWeights:
 
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
-        with self._open(self.weight_map[name]) as f:
-            tensor = f.get_tensor(name)
-        self._have_read(self.weight_map[name], tensor.nbytes)
-        return tensor
+        return self._read_file(name, ..., torch.device("cpu"), names_in_files=True)
 
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
@@ -184,16 +142,32 @@ class SafetensorsWeights:
         return shapes, layout
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
-        """Slice `index` of the model's tensor `name` (absent: a KeyError naming it; check() said so first)."""
-        return self.layout.read(self._read_file, name, index).to(device)
+        """Slice `index` of the model's tensor `name` (absent: a KeyError naming it; check() said so first).
+        Each piece goes to `device` as it is read, and the conversion (experts stacked, q/k/v joined)
+        runs there, as transformers' loader does."""
+        return self.layout.read(functools.partial(self._read_file, device=device), name, index).to(device)
 
-    def _read_file(self, model_name: str, index) -> torch.Tensor:
-        """Slice `index` of the files' tensor that the model would call `model_name`."""
-        file_name = self.names.of(model_name)
-        with self._open(self.weight_map[file_name]) as f:
-            tensor = f.get_slice(file_name)[index]
-        self._have_read(self.weight_map[file_name], tensor.nbytes)
-        return tensor
+    def read_many(self, requests: Iterable[tuple[str, tuple[slice, ...]]], device: torch.device
+                  ) -> Iterator[torch.Tensor]:
+        """`read` of each (name, index), in order, READ_THREADS at a time and at most READ_AHEAD ahead
+        of the one the caller holds (within `reading`)."""
+        self.layout  # noqa: B018 -- made once, before the threads
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights") as pool:
+            pending = []
+            for name, index in requests:
+                pending.append(pool.submit(self.read, name, index, device))
+                if len(pending) > READ_AHEAD:
+                    yield pending.pop(0).result()
+            for future in pending:
+                yield future.result()
+
+    def _read_file(self, name: str, index, device: torch.device, names_in_files: bool = False) -> torch.Tensor:
+        """Slice `index` of the files' tensor that the model would call `name` (or, `names_in_files`, that the
+        files call so), on `device`; a file shorter than its header says is one ModelError naming it."""
+        try:
+            return self.files.read(name if names_in_files else self.names.of(name), index, device)
+        except DamagedFile as e:
+            raise self._damaged(e.file, str(e)) from None
 
 
 # Parameters this small keep the value their module's constructor gave them where the architecture's
@@ -221,6 +195,11 @@ class RandomWeights:
     def reading(self) -> contextlib.AbstractContextManager:
         """As SafetensorsWeights.reading (no files here)."""
         return contextlib.nullcontext()
+
+    def read_many(self, requests: Iterable[tuple[str, tuple[slice, ...]]], device: torch.device
+                  ) -> Iterator[torch.Tensor]:
+        """`read` of each (name, index), in order (one module at a time: no threads)."""
+        return (self.read(name, index, device) for name, index in requests)
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         if name in self.buffers:
@@ -280,18 +259,18 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
     with torch.no_grad(), weights.reading():
         # By name: QLoRA replaces its NF4 parameters as it goes, and a list of the parameters
         # would keep every replaced one alive (the whole NF4 base twice).
-        for name in [name for name, _ in model.named_parameters()]:
-            param = model.get_parameter(name)
-            if is_nf4(param):  # QLoRA: the whole weight read (one at a time) and quantised where it is used
-                module_name, _, attr = name.rpartition(".")
-                full = weights.read(clean_name(name), tuple(slice(None) for _ in _full_shape(model, name)), device)
-                model.get_submodule(module_name).register_parameter(attr, quantized(full))
-                continue
-            if is_adapter(clean_name(name)):
-                continue  # no model file holds them: LoRA.initialise_adapters (sft/adapters/lora.py)
-            index, local = local_slice(param)
+        for name in [name for name, param in model.named_parameters() if is_nf4(param)]:
+            # QLoRA: the whole weight read (one at a time) and quantised where it is used
+            module_name, _, attr = name.rpartition(".")
+            full = weights.read(clean_name(name), tuple(slice(None) for _ in _full_shape(model, name)), device)
+            model.get_submodule(module_name).register_parameter(attr, quantized(full))
+        # no model file holds LoRA adapters: LoRA.initialise_adapters (sft/adapters/lora.py)
+        shards = [(clean_name(name), *local_slice(param)) for name, param in model.named_parameters()
+                  if not is_nf4(param) and not is_adapter(clean_name(name))]
+        slices = weights.read_many(((name, index) for name, index, _ in shards), device)
+        for (_, _, local), tensor in zip(shards, slices, strict=True):
             # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
-            local.copy_(weights.read(clean_name(name), index, device))
+            local.copy_(tensor)
         for name, buffer in persistent_buffers(model).items():  # whole on every rank
             if weights.holds(name):
                 buffer.copy_(weights.read(name, tuple(slice(None) for _ in buffer.shape), device))
