@@ -90,7 +90,9 @@
 #   startup   issue #58, one GPU: launch -> exit after step 2, twice with one fresh compile.cache_dir (cold: nothing
 #             cached; warm: a relaunch, as after a requeue): P-7B rows with LoRA (ac 1) and the whole Qwen3-30B-A3B
 #             with LoRA on its attention and experts (mb 2, ac 1), random init; each run's wall time, start-up and
-#             first step with what torch.compile took from the cache (ONLY=regex picks lora-p7b / lora30b)
+#             first step with what torch.compile took from the cache; and load30b-24: Qwen3-30B-A3B with 24 of
+#             its 48 blocks saved as transformers saves it (30.5 GB), loaded by ours and by from_pretrained
+#             (scripts/bench_load.py), then the same LoRA run from it (ONLY=regex picks lora-p7b / lora30b / load30b-24)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -684,6 +686,10 @@ RUNS
     startup)
       p7b_data
       caches=$(mktemp -d)
+      # a checkpoint as transformers saves it (30.5 GB, one tensor per expert): our load next to from_pretrained's,
+      # bit for bit the same weights; then the load30b-24 runs below start from it
+      [[ "load30b-24" =~ ${ONLY:-.} ]] && python3 scripts/bench_load.py /tmp/qwen3-30b-a3b-24 \
+        --preset qwen3-30b-a3b-24 --device cuda --repeats 2 --threads 4 8 2>&1 | grep -E "GB on|Error"
       while read -r name config overrides; do
         [[ "$name" =~ ${ONLY:-.} ]] || continue
         for launch in cold warm; do
@@ -694,6 +700,7 @@ RUNS
       done <<RUNS
 lora-p7b configs/bench/p7b.yaml lora.rank=16 lora.alpha=32 ac.ratio=1
 lora30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
+load30b-24 configs/bench/p7b.yaml model.name_or_path=/tmp/qwen3-30b-a3b-24 model.init=pretrained lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
 RUNS
       ;;
     summary)

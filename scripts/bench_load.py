@@ -1,18 +1,20 @@
 """Time loading a checkpoint as transformers saves it (one tensor per expert) through our loader,
-next to transformers' `from_pretrained` of the same files, on this machine's CPU.
+next to transformers' `from_pretrained` of the same files, on this machine's CPU or GPU.
 
     python scripts/bench_load.py /tmp/qwen3moe-8x128                 # writes the checkpoint there first if missing
     python scripts/bench_load.py /tmp/qwen35moe-12 --preset qwen3.5-35b-a3b-12 --device cuda
 
 The presets are the [startup] issue's cases: `cpu` Qwen3-MoE, 8 blocks of 128 experts, 0.4 GB in
 bf16 (3,072 expert tensors); `qwen3.5-35b-a3b-12` Qwen3.5-35B-A3B's widths, 12 of its 40 blocks,
-21 GB (9,216 expert tensors). Both sides load bf16 onto `--device`; the page cache is warmed by a
-first read of every file. Each repeat checks that ours loaded what transformers loads, bit for bit.
+21 GB (9,216 expert tensors); `qwen3-30b-a3b-24` Qwen3-30B-A3B with 24 of its 48 blocks, 30.5 GB.
+Both sides load bf16 onto `--device`; the page cache is warmed by a first read of every file. Each
+repeat checks that ours loaded what transformers loads, bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -30,6 +32,10 @@ PRESETS = {
                               num_experts_per_tok=8, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                               head_dim=64, vocab_size=32000)),
     "qwen3.5-35b-a3b-12": ("qwen3_5_moe_text", dict(num_hidden_layers=12)),  # its config class's defaults: 35B-A3B
+    # Qwen3-30B-A3B's config.json with 24 of its 48 blocks: 30.5 GB, 9,216 expert tensors
+    "qwen3-30b-a3b-24": ("qwen3_moe", {**{k: v for k, v in json.loads(
+        (Path(__file__).parents[1] / "configs/models/qwen3-30b-a3b/config.json").read_text()).items()
+        if k not in ("model_type", "architectures", "torch_dtype")}, "num_hidden_layers": 24, "max_window_layers": 24}),
 }
 
 

@@ -139,7 +139,9 @@ class SafetensorsFiles:
             return
         staging = self._staging  # this thread's: pinned, so the copy to the GPU runs while the next chunk is read
         if not hasattr(staging, "buffers"):
-            self._staging.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            with torch.cuda.device(tensor.device):  # pinned in this rank's GPU's context (a thread starts on GPU 0's)
+                self._staging.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                                         for _ in range(2)]
             self._staging.copied, self._staging.turn = [None, None], 0
         stream = torch.cuda.current_stream(tensor.device)
         for start in range(0, flat.numel(), STAGING_BYTES):
