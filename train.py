@@ -22,8 +22,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from transformers import set_seed
-
+from sft import rng
 from sft.checkpoint.manager import Checkpointer
 from sft.compile_cache import use_compile_cache
 from sft.config import check_machine, parse_args
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     check_machine(cfg, env.device)
     # Before anything compiles: kernels an earlier process compiled (a requeue, a run of these shapes) load from here.
     log0(rank0_first(lambda: use_compile_cache(cfg.compile.cache_dir)))
-    set_seed(cfg.train.seed)  # python, numpy and torch
+    rng.seed(cfg.train.seed)  # python, numpy and torch
     gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
         log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))

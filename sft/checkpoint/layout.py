@@ -31,11 +31,9 @@ grad-acc x ranks) continues with exactly the samples the original run would have
 from __future__ import annotations
 
 import json
-import random
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
@@ -54,22 +52,6 @@ DIGESTS = "digests.json"
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
-
-
-def rng_state() -> dict:
-    """This process's random generators (rng_file): python, numpy, torch and this GPU's."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def read_train_state(path: Path) -> dict:

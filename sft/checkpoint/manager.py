@@ -16,13 +16,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from transformers import PreTrainedTokenizerBase
 
-from sft import atomic
+from sft import atomic, rng
 from sft.adapters.lora import LoRA
 from sft.checkpoint.background import BackgroundSaves
 from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
-                                   committed_checkpoints, read_train_state, rng_file, rng_state, set_rng_state,
-                                   shape_mismatches)
+                                   committed_checkpoints, read_train_state, rng_file, shape_mismatches)
 from sft.checkpoint.lora_record import lora_change_problem, lora_record
 from sft.checkpoint.model_weights import load_model_weights
 from sft.checkpoint.resume import check_room, resume_point
@@ -105,9 +104,9 @@ class Checkpointer:
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self._lora))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=False))
-        rng = path / rng_file(self.env.rank)
-        if rng.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
-            set_rng_state(torch.load(rng, weights_only=False))
+        rng_path = path / rng_file(self.env.rank)
+        if rng_path.is_file():  # a rank that did not exist in the saving run keeps its fresh seed
+            rng.set_state(torch.load(rng_path, weights_only=False))
         return read_train_state(path / TRAIN_STATE)
 
     def save(self, step: int, model: nn.Module, optimizer: Optimizer, scheduler: Scheduler, train_state: dict,
@@ -142,7 +141,7 @@ class Checkpointer:
                 background = self._background.write(state, tmp)
             else:
                 digests = write_shards(state, tmp, None, self.env.rank, self.env.world_size)
-            torch.save(rng_state(), tmp / rng_file(self.env.rank))
+            torch.save(rng.state(), tmp / rng_file(self.env.rank))
             if self.env.is_main:
                 torch.save(scheduler.state_dict(), tmp / SCHEDULER)
                 (tmp / CONFIG).write_text(to_yaml(self.cfg))

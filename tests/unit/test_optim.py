@@ -47,6 +47,13 @@ def test_warmup_then_cosine_to_min_lr():
             expected = 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress))
         assert lr == pytest.approx(expected, rel=1e-9, abs=1e-12), step
     assert lrs[warmup] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4, rel=0.01)
+    # transformers' schedule, which it replaces (its module imports peft): the same numbers, and its state loads
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(build_optimizer(torch.nn.Linear(1, 1), cfg), 10, 100,
+                                                          min_lr=1e-4)
+    assert [theirs.lr_lambdas[0](step) for step in range(102)] == [scheduler.lr_lambdas[0](step) for step in range(102)]
+    scheduler.load_state_dict(theirs.state_dict())
 
 
 def _adamw_steps(optimizer_of, steps: int = 5) -> list[torch.Tensor]:

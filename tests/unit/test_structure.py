@@ -10,7 +10,7 @@ from helpers import REPO
 
 # Bottom to top (README.md, "Design"); a unit is a package of sft/ or a module directly in it.
 FLOORS = [
-    {"errors", "atomic", "profiling"},
+    {"errors", "atomic", "profiling", "rng"},
     {"distributed", "compile_cache"},
     {"config"},
     {"models"},
