@@ -143,6 +143,7 @@ class StepMetrics:
         log0(f"start-up took {startup_s:.1f} s (process start -> ready to train{': ' * bool(split)}{split})")
         self.first_step_extras = {"startup_s": startup_s, "startup_stages_s": stages,
                                   "host_peak_rss_gib_per_rank": host_peak_rss}
+        self._startup_split = split
         text = text_config(model.config)
         # MFU counts the parameters a token runs through (MoE: not the experts it is not routed to),
         # the frozen ones (LoRA's base) at 4 FLOPs, not 6 (flops_per_token).
@@ -234,11 +235,13 @@ class StepMetrics:
             entry["mfu"] = flops / per_gpu / self.peak_flops
         if len(self.step_times) == 1:
             entry.update(self.first_step_extras)
-            graphs = compiled_graphs()
+            graphs, compiled = compiled_graphs(), ""
             if any(graphs.values()):  # what the first step (and what ran before this read) compiled
                 uncached = f", {graphs['uncached']} not cacheable" if graphs["uncached"] else ""
-                log0(f"step 1 took {step_time:.1f} s; torch.compile: {graphs['from_cache']} graphs from the cache, "
-                     f"{graphs['compiled']} compiled{uncached}")
+                compiled = (f" (torch.compile: {graphs['from_cache']} graphs from the cache, {graphs['compiled']} "
+                            f"compiled{uncached})")
+            log0(f"first step done {entry['startup_s'] + step_time:.1f} s after the process started: "
+                 f"{self._startup_split}{', ' * bool(self._startup_split)}step 1 {step_time:.1f} s{compiled}")
         return entry, stops > 0
 
 

@@ -1,5 +1,6 @@
 """What users reach for: metrics.jsonl, progress, TensorBoard, the plot, chat, the run directory."""
 
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,10 @@ def test_metrics_file_has_stable_keys_and_monotonic_steps(run):
     stages = steps[0]["startup_stages_s"]  # where the start went, in order; the rest is making the metrics
     assert list(stages) == ["imports", "setup", "data", "model", "weights"] and min(stages.values()) > 0
     assert sum(stages.values()) <= steps[0]["startup_s"] < sum(stages.values()) + 5
+    # and one line, once the first step is done: the stages and the step
+    line = re.search(r"first step done ([\d.]+) s after the process started: imports ([\d.]+) s, setup [\d.]+ s, "
+                     r"data [\d.]+ s, model [\d.]+ s, weights [\d.]+ s, step 1 ([\d.]+) s", run[1].stdout)
+    assert line and float(line[1]) == pytest.approx(steps[0]["startup_s"] + float(line[3]), abs=0.11), line
     assert [e["tokens_seen"] for e in steps] == sorted({e["tokens_seen"] for e in steps})
     assert steps[-1]["eta_s"] == 0
 
