@@ -30,13 +30,15 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sft.config import LoRAConfig
+from sft.adapters.record import adapters_record, lora_change_problem
+from sft.config import LoRAConfig, ModelConfig
 from sft.distributed import local_part, local_slice
 from sft.errors import UserError
 from sft.hub.layout import is_adapter
@@ -163,6 +165,15 @@ class LoRA:
         activation checkpointing wrapper's prefix): those that train (the frozen base is read again
         from its source)."""
         return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad}
+
+    def record(self, model_cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None) -> dict:
+        """What its adapters are trained on, for a checkpoint's train state (sft/adapters/record.py)."""
+        return adapters_record(model_cfg, self.cfg, self.targets, seed, model, prepared)
+
+    def check_resume(self, path: Path, saved: dict | None, ours: dict) -> None:
+        """Refuse to resume checkpoint `path`, whose train state records `saved`, onto other adapters,
+        or another base or scale unless lora.allow_resume_change (sft/adapters/record.py)."""
+        lora_change_problem(path, saved, ours, self.cfg.allow_resume_change)
 
     def nf4_parameters(self) -> set[nn.Parameter]:
         """The NF4 base weights, which FSDP leaves alone: every rank holds each of them whole (a

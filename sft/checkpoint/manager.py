@@ -22,7 +22,6 @@ from sft.checkpoint.background import BackgroundSaves
 from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
                                    committed_checkpoints, read_train_state, rng_file, shape_mismatches)
-from sft.checkpoint.lora_record import lora_change_problem, lora_record
 from sft.checkpoint.model_weights import load_model_weights
 from sft.checkpoint.resume import check_room, resume_point
 from sft.config import Config, to_yaml
@@ -92,8 +91,7 @@ class Checkpointer:
 
         def check() -> None:  # rank 0, said once
             if self._lora:
-                lora_change_problem(path, read_train_state(path / TRAIN_STATE).get("lora"),
-                                    self.lora_record(model), self._lora.cfg.allow_resume_change)
+                self._lora.check_resume(path, read_train_state(path / TRAIN_STATE).get("lora"), self.lora_record(model))
             wrong = shape_mismatches(path, state["model"])
             if wrong:
                 raise CheckpointError(f"{path} was written for another model ({len(wrong)} tensors differ, e.g. "
@@ -162,9 +160,9 @@ class Checkpointer:
         return final
 
     def lora_record(self, model: nn.Module) -> dict:
-        """Rank 0: what this LoRA run's adapters are fitted to (sft/checkpoint/lora_record.py)."""
+        """Rank 0: what this LoRA run's adapters are fitted to (sft/adapters/record.py), read once."""
         if self._lora_record is None:
-            self._lora_record = lora_record(self.cfg.model, self._lora, self.cfg.train.seed, model, self._prepared)
+            self._lora_record = self._lora.record(self.cfg.model, self.cfg.train.seed, model, self._prepared)
         return self._lora_record
 
     def close(self) -> None:
