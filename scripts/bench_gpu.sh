@@ -695,7 +695,7 @@ RUNS
         for launch in cold warm; do
           # shellcheck disable=SC2086
           train "startup-$name-$launch" "$config" $overrides train.max_steps=2 compile.cache_dir="$caches/$name" </dev/null
-          grep -E "first step done" "$LOGS/startup-$name-$launch.log"
+          grep -E "start-up and step 1 took" "$LOGS/startup-$name-$launch.log"
         done
       done <<RUNS
 lora-p7b configs/bench/p7b.yaml lora.rank=16 lora.alpha=32 ac.ratio=1

@@ -8,7 +8,7 @@ The presets are the [startup] issue's cases: `cpu` Qwen3-MoE, 8 blocks of 128 ex
 bf16 (3,072 expert tensors); `qwen3.5-35b-a3b-12` Qwen3.5-35B-A3B's widths, 12 of its 40 blocks,
 21 GB (9,216 expert tensors); `qwen3-30b-a3b-24` Qwen3-30B-A3B with 24 of its 48 blocks, 30.5 GB.
 Both sides load bf16 onto `--device`; the page cache is warmed by a first read of every file. Each
-repeat checks that ours loaded what transformers loads, bit for bit.
+repeat checks that each of our loads (one per --threads) loaded what transformers loads, bit for bit.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main() -> None:
     size = sum(file.stat().st_size for file in args.directory.glob("*.safetensors"))
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.repeats):
-        ours = {}
+        ours, loaded = {}, None
         for threads in args.threads:
             weights_module.READ_THREADS = threads
             model = build_meta_model(ModelConfig(name_or_path=str(args.directory))).to(torch.bfloat16)
@@ -73,6 +73,9 @@ def main() -> None:
             load_weights(model, weights, device)
             synchronize()
             ours[threads] = time.perf_counter() - t0, checked
+            # each load the same as the one before it, bit for bit (the last: as transformers', below)
+            if loaded is not None:
+                assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
             loaded = model.state_dict()
             del model, weights
         t0 = time.perf_counter()

@@ -5,7 +5,6 @@ weights than those they were trained on without saying so."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from torch import nn
@@ -19,19 +18,15 @@ WEIGHTS_DIGEST = "weights-sha256:"
 
 def weights_digest(weights: SafetensorsWeights) -> str:
     """A fingerprint of the weights, cheap at any size: every tensor's name, dtype and shape and
-    128 bytes from its middle, by name. Weights trained or replaced differ there in every tensor
-    that changed; a copy, a move or another sharding of the same weights does not change it."""
+    128 bytes from its middle, by name (the headers `weights` parsed). Weights trained or replaced
+    differ there in every tensor that changed; a copy, a move or another sharding of the same weights
+    does not change it."""
     samples = []
-    for file in sorted(set(weights.weight_map.values())):  # each file opened once, read front to back
-        with (weights.root / file).open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            data = f.tell()
-            header.pop("__metadata__", None)
-            for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
-                begin, end = info["data_offsets"]
-                middle = (begin + end) // 2
-                f.seek(data + middle)
-                samples.append((name, f"{info['dtype']}:{info['shape']}", f.read(min(128, end - middle))))
+    with weights.reading():
+        for name, entry in weights.files.entries.items():
+            middle = (entry.begin + entry.end) // 2
+            samples.append((name, f"{entry.dtype_name}:{list(entry.shape)}",
+                            weights.files.read_bytes(name, middle, min(128, entry.end - middle))))
     sha = hashlib.sha256()
     for name, kind, sample in sorted(samples):
         sha.update(f"{name}:{kind}:".encode() + sample)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,6 +166,7 @@ class FileLayout:
                 self.groups[name] = (first, group)
                 self.shapes[name] = tuple(tensor.shape)
         self._last: tuple[str, dict[str, torch.Tensor]] | None = None  # the last group assembled whole
+        self._converting = threading.Lock()
 
     def _convert(self, first: str, group: _Group, load: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's tensors that `group` makes, from the files' tensors `load` gives."""
@@ -205,10 +207,10 @@ class FileLayout:
             swapped = list(index)
             swapped[d0], swapped[d1] = index[d1], index[d0]
             return read(file, tuple(swapped)).transpose(d0, d1)
-        last = self._last  # q, k and v of one split come from one conversion (read by several threads)
-        if last is None or last[0] != first:
-            last = self._last = first, self._convert(first, group, lambda file: read(file, ...))
-        return last[1][name][index]
+        with self._converting:  # q, k and v of one split come from one conversion, made once (threads read them)
+            if self._last is None or self._last[0] != first:
+                self._last = first, self._convert(first, group, lambda file: read(file, ...))
+            return self._last[1][name][index]
 
     def _read_pieces(self, read, files: list[str], dim: int, index: tuple[slice, ...]) -> torch.Tensor:
         """Slice `index` of the concatenation of `files` along `dim`, reading only the pieces in it."""

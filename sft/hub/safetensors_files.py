@@ -28,8 +28,10 @@ import torch
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+          "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool, "C64": torch.complex64,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+          "F8_E5M2FNUZ": torch.float8_e5m2fnuz, "F8_E8M0": torch.float8_e8m0fnu}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 # Bytes a thread stages in pinned host memory per copy to a GPU (two buffers a thread, taking turns).
 STAGING_BYTES = 32 * 2**20
 
@@ -42,27 +44,34 @@ class DamagedFile(Exception):
         self.file = file
 
 
+class UnsupportedDtype(DamagedFile):
+    """A tensor stored in a dtype this torch has no type for."""
+
+
 @dataclass(frozen=True)
 class Entry:
     file: str
-    dtype: torch.dtype
+    dtype_name: str  # as the header names it (F32, BF16, ...)
     shape: tuple[int, ...]
     begin: int  # the tensor's first byte in its file
     end: int
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """(the header's entries, the offset of the data) of the safetensors file at `path`."""
+def read_header(path: Path) -> tuple[dict, int, int]:
+    """(the header's entries, the offset of the data, the file's size) of the safetensors file at `path`."""
     try:
+        size = path.stat().st_size
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"its first 8 bytes give a header of {length} bytes")
             header = json.loads(f.read(length))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (OSError, ValueError, struct.error) as e:
         raise DamagedFile(path.name, f"{type(e).__name__}: {e}") from None
     header.pop("__metadata__", None)
-    return header, 8 + length
+    return header, 8 + length, size
 
 
 class SafetensorsFiles:
@@ -72,17 +81,22 @@ class SafetensorsFiles:
         self.root = root
         self.entries: dict[str, Entry] = {}
         for file in files:
-            header, data = read_header(root / file)
-            size = (root / file).stat().st_size
+            header, data, size = read_header(root / file)
             for name, info in header.items():
                 try:
                     begin, end = (data + offset for offset in info["data_offsets"])
-                    entry = Entry(file, DTYPES[info["dtype"]], tuple(info["shape"]), begin, end)
-                except (KeyError, TypeError, ValueError) as e:
+                    entry = Entry(file, info["dtype"], tuple(info["shape"]), begin, end)
+                    nbytes = math.prod(entry.shape) * DTYPES[entry.dtype_name].itemsize
+                except KeyError as e:
+                    if e.args == (info.get("dtype"),):  # a dtype torch has no name for here: refused if read
+                        self.entries[name] = entry
+                        continue
+                    raise DamagedFile(file, f"its header's entry {name!r} lacks {e}") from None
+                except (TypeError, ValueError) as e:
                     raise DamagedFile(file, f"its header's entry {name!r} is unreadable ({type(e).__name__}: "
                                             f"{e})") from None
-                if end > size or end - begin != math.prod(entry.shape) * entry.dtype.itemsize:
-                    raise DamagedFile(file, f"{name!r} lies beyond the file's {size} bytes or has the wrong "
+                if not data <= begin <= end <= size or end - begin != nbytes:
+                    raise DamagedFile(file, f"{name!r} lies outside the file's {size} bytes or has the wrong "
                                             "size (a truncated download?)")
                 self.entries[name] = entry
         self._descriptors: dict[str, int] | None = None  # the files `reading` keeps open
@@ -116,21 +130,32 @@ class SafetensorsFiles:
         yield descriptor
 
     def read(self, name: str, index, device: torch.device) -> torch.Tensor:
-        """Slice `index` (a tuple of slices, or `...`) of tensor `name`, on `device`: only the rows of its
-        first dimension that the slice takes are read."""
+        """Slice `index` (a tuple of slices, or `...`) of tensor `name`, on `device`: where the first
+        item is a plain slice, only the rows of the first dimension it takes are read."""
         entry = self.entries[name]
+        if entry.dtype_name not in DTYPES:
+            raise UnsupportedDtype(entry.file, f"{name!r} is stored as {entry.dtype_name}, which this torch cannot "
+                                               "read")
+        dtype = DTYPES[entry.dtype_name]
         index = () if index is Ellipsis else tuple(index)
         first = index[0] if index else slice(None)
-        if not entry.shape or first.step not in (None, 1):
-            begin, end, rest = 0, entry.shape[0] if entry.shape else 0, index
-        else:
-            begin, end, _ = first.indices(entry.shape[0])
-            end, rest = max(begin, end), index[1:]
-        row_bytes = math.prod(entry.shape[1:]) * entry.dtype.itemsize
-        tensor = torch.empty((end - begin, *entry.shape[1:]) if entry.shape else (), dtype=entry.dtype, device=device)
+        rows = entry.shape and isinstance(first, slice) and first.step in (None, 1)
+        begin, end = first.indices(entry.shape[0])[:2] if rows else (0, entry.shape[0] if entry.shape else 0)
+        end = max(begin, end)
+        row_bytes = math.prod(entry.shape[1:]) * dtype.itemsize
+        tensor = torch.empty((end - begin, *entry.shape[1:]) if entry.shape else (), dtype=dtype, device=device)
         with self._descriptor(entry.file) as descriptor:
             self._read_into(descriptor, entry, entry.begin + begin * row_bytes, tensor)
-        return tensor[(slice(None), *rest)] if entry.shape and rest else tensor[rest] if rest else tensor
+        if rows:  # the rows read; the rest of the index on them
+            return tensor[(slice(None), *index[1:])] if index[1:] else tensor
+        return tensor[index] if index else tensor
+
+    def read_bytes(self, name: str, offset: int, size: int) -> bytes:
+        """`size` bytes of tensor `name`'s file from `offset` (absolute, within the tensor)."""
+        into = bytearray(size)
+        with self._descriptor(self.entries[name].file) as descriptor:
+            _read_exactly(descriptor, memoryview(into), offset, self.entries[name].file)
+        return bytes(into)
 
     def _read_into(self, descriptor: int, entry: Entry, offset: int, tensor: torch.Tensor) -> None:
         flat = tensor.reshape(-1).view(torch.uint8)
@@ -152,7 +177,7 @@ class SafetensorsFiles:
             buffer = staging.buffers[turn][:size]
             _read_exactly(descriptor, memoryview(buffer.numpy()), offset + start, entry.file)
             flat[start : start + size].copy_(buffer, non_blocking=True)
-            staging.copied[turn] = torch.cuda.Event()
+            self._staging.copied[turn] = torch.cuda.Event()
             staging.copied[turn].record(stream)
 
 

@@ -12,6 +12,7 @@ holds a full copy of the weights.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -30,7 +31,7 @@ from torch import nn
 from sft.config import ModelConfig
 from sft.distributed import local_slice, rank0_first
 from sft.hub.layout import FileLayout, is_adapter, quantized_experts_problem
-from sft.hub.safetensors_files import DamagedFile, SafetensorsFiles
+from sft.hub.safetensors_files import DamagedFile, SafetensorsFiles, UnsupportedDtype
 from sft.hub.vision_language import KEPT, checkpoint_class, file_names, kept_names
 from sft.models.architecture import decoder
 from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
@@ -60,7 +61,7 @@ class SafetensorsWeights:
             try:
                 files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise self._damaged(index.name, f"{type(e).__name__}: {e}") from None
+                raise self._damaged(DamagedFile(index.name, f"{type(e).__name__}: {e}")) from None
         elif (root / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
@@ -68,8 +69,8 @@ class SafetensorsWeights:
                              "download the weights (huggingface-cli download) or set model.init: random")
         try:
             self.files = SafetensorsFiles(root, files)  # every header parsed once
-        except (DamagedFile, OSError) as e:
-            raise self._damaged(getattr(e, "file", ""), " ".join(str(e).split())) from None
+        except DamagedFile as e:
+            raise self._damaged(e) from None
         self.weight_map = {name: entry.file for name, entry in self.files.entries.items()}
         self.model = model
         self.shapes = {clean_name(n): tuple(_full_shape(model, n)) for n, _ in model.named_parameters()
@@ -88,9 +89,12 @@ class SafetensorsWeights:
         buffers = {name: tuple(b.shape) for name, b in persistent_buffers(self.model).items()}
         return FileLayout(self.model, {**self.shapes, **buffers}, in_model, checkpoint_class(self.root))
 
-    def _damaged(self, file: str, reason: str) -> ModelError:
-        return ModelError(f"model.name_or_path={self.source!r}: {self.root / file} is damaged ({reason}); download "
-                          "it again (huggingface-cli download), or give a complete model directory")
+    def _damaged(self, error: DamagedFile) -> ModelError:
+        reason = " ".join(str(error).split())
+        if isinstance(error, UnsupportedDtype):
+            return ModelError(f"model.name_or_path={self.source!r}: {self.root / error.file}: {reason}")
+        return ModelError(f"model.name_or_path={self.source!r}: {self.root / error.file} is damaged ({reason}); "
+                          "download it again (huggingface-cli download), or give a complete model directory")
 
     def reading(self) -> contextlib.AbstractContextManager:
         """Within it, each file is opened once."""
@@ -153,13 +157,17 @@ class SafetensorsWeights:
         of the one the caller holds (within `reading`)."""
         self.layout  # noqa: B018 -- made once, before the threads
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights") as pool:
-            pending = []
-            for name, index in requests:
-                pending.append(pool.submit(self.read, name, index, device))
-                if len(pending) > READ_AHEAD:
-                    yield pending.pop(0).result()
-            for future in pending:
-                yield future.result()
+            pending: collections.deque = collections.deque()
+            try:
+                for name, index in requests:
+                    pending.append(pool.submit(self.read, name, index, device))
+                    if len(pending) > READ_AHEAD:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:  # closed early (an error where the reads go): the reads not begun are dropped
+                for future in pending:
+                    future.cancel()
 
     def _read_file(self, name: str, index, device: torch.device, names_in_files: bool = False) -> torch.Tensor:
         """Slice `index` of the files' tensor that the model would call `name` (or, `names_in_files`, that the
@@ -167,7 +175,7 @@ class SafetensorsWeights:
         try:
             return self.files.read(name if names_in_files else self.names.of(name), index, device)
         except DamagedFile as e:
-            raise self._damaged(e.file, str(e)) from None
+            raise self._damaged(e) from None
 
 
 # Parameters this small keep the value their module's constructor gave them where the architecture's
@@ -267,10 +275,12 @@ def load_weights(model: nn.Module, weights: SafetensorsWeights | RandomWeights, 
         # no model file holds LoRA adapters: LoRA.initialise_adapters (sft/adapters/lora.py)
         shards = [(clean_name(name), *local_slice(param)) for name, param in model.named_parameters()
                   if not is_nf4(param) and not is_adapter(clean_name(name))]
-        slices = weights.read_many(((name, index) for name, index, _ in shards), device)
-        for (_, _, local), tensor in zip(shards, slices, strict=True):
-            # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host memory
-            local.copy_(tensor)
+        # closed before the files are (`reading`), also when a copy fails: no read is left running
+        with contextlib.closing(weights.read_many(((name, index) for name, index, _ in shards), device)) as slices:
+            for (_, _, local), tensor in zip(shards, slices, strict=True):
+                # read on the compute device; copy_ casts to the shard's dtype and moves to offloaded shards' host
+                # memory
+                local.copy_(tensor)
         for name, buffer in persistent_buffers(model).items():  # whole on every rank
             if weights.holds(name):
                 buffer.copy_(weights.read(name, tuple(slice(None) for _ in buffer.shape), device))

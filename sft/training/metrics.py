@@ -240,7 +240,8 @@ class StepMetrics:
                 uncached = f", {graphs['uncached']} not cacheable" if graphs["uncached"] else ""
                 compiled = (f" (torch.compile: {graphs['from_cache']} graphs from the cache, {graphs['compiled']} "
                             f"compiled{uncached})")
-            log0(f"first step done {entry['startup_s'] + step_time:.1f} s after the process started: "
+            # (the step-0 evaluation between them not counted)
+            log0(f"start-up and step 1 took {entry['startup_s'] + step_time:.1f} s: "
                  f"{self._startup_split}{', ' * bool(self._startup_split)}step 1 {step_time:.1f} s{compiled}")
         return entry, stops > 0
 

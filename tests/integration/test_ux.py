@@ -35,7 +35,7 @@ def test_metrics_file_has_stable_keys_and_monotonic_steps(run):
     assert list(stages) == ["imports", "setup", "data", "model", "weights"] and min(stages.values()) > 0
     assert sum(stages.values()) <= steps[0]["startup_s"] < sum(stages.values()) + 5
     # and one line, once the first step is done: the stages and the step
-    line = re.search(r"first step done ([\d.]+) s after the process started: imports ([\d.]+) s, setup [\d.]+ s, "
+    line = re.search(r"start-up and step 1 took ([\d.]+) s: imports ([\d.]+) s, setup [\d.]+ s, "
                      r"data [\d.]+ s, model [\d.]+ s, weights [\d.]+ s, step 1 ([\d.]+) s", run[1].stdout)
     assert line and float(line[1]) == pytest.approx(steps[0]["startup_s"] + float(line[3]), abs=0.11), line
     assert [e["tokens_seen"] for e in steps] == sorted({e["tokens_seen"] for e in steps})

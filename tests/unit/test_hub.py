@@ -216,3 +216,63 @@ def test_random_init_sets_what_an_enclosing_modules_init_sets(tmp_path):
     assert reads[0][router].std().item() == pytest.approx(std, rel=0.05) and not reads[0][router].isnan().any()
     assert all(torch.equal(reads[0][name], reads[1][name]) for name in reads[0])
     assert reads[0][experts].std().item() == pytest.approx(std, rel=0.05)
+
+
+def test_the_file_reader_slices_as_safetensors_does(tmp_path):
+    """sft/hub/safetensors_files.py reads a shard's rows itself: every index form the loader may pass
+    gives what safetensors' own get_slice gives, bit for bit, for the dtypes of published checkpoints."""
+    from safetensors.torch import save_file
+
+    from sft.hub.safetensors_files import SafetensorsFiles
+
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(6, 5).to(torch.bfloat16), "v": torch.arange(7, dtype=torch.int64),
+               "s": torch.tensor(3.5), "f8": torch.randn(4, 3).to(torch.float8_e4m3fn), "c": torch.randn(2, 2, 3),
+               "b": torch.rand(5) > 0.5}
+    save_file(tensors, tmp_path / "model.safetensors")
+    files = SafetensorsFiles(tmp_path, ["model.safetensors"])
+    indices = [..., (), (slice(None),), (slice(1, 4),), (slice(2, 2),), (slice(0, 6, 2),), (slice(1, 5), slice(1, 3)),
+               (slice(None), slice(2, None)), (slice(0, 2), slice(None), slice(1, 2)), (slice(5, 100),)]
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f, files.reading():
+        for name in tensors:
+            for index in indices:
+                if not isinstance(index, type(...)) and len(index) > tensors[name].dim():
+                    continue
+                expected = f.get_slice(name)[index] if index != () else f.get_tensor(name)
+                got = files.read(name, index, torch.device("cpu"))
+                assert got.dtype == expected.dtype and torch.equal(got.contiguous().view(-1).view(torch.uint8),
+                                                                   expected.contiguous().view(-1).view(torch.uint8)), (name, index)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("a header length past the file", "header of"),
+    ("a negative offset", "outside the file"),
+    ("a tensor past the end", "outside the file"),
+    ("a dtype torch lacks", "stored as F4, which this torch cannot read"),
+])
+def test_a_damaged_safetensors_header_is_one_error_naming_the_file(tmp_path, damage, says):
+    from safetensors.torch import save_file
+
+    from sft.hub.safetensors_files import DamagedFile, SafetensorsFiles
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.zeros(2)}, path)
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    if damage == "a header length past the file":
+        raw = (10**15).to_bytes(8, "little") + raw[8:]
+    else:
+        if damage == "a negative offset":
+            header["a"]["data_offsets"] = [-8, 8]
+        elif damage == "a tensor past the end":
+            header["b"]["shape"], header["b"]["data_offsets"] = [200], [header["b"]["data_offsets"][0], 800]
+        else:
+            header["b"]["dtype"] = "F4"
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        raw = len(text).to_bytes(8, "little") + text + raw[8 + length:]
+    path.write_bytes(raw)
+    with pytest.raises(DamagedFile, match=says) as error:
+        SafetensorsFiles(tmp_path, ["model.safetensors"]).read("b", ..., torch.device("cpu"))
+    assert error.value.file == "model.safetensors"

@@ -102,8 +102,9 @@ OWN_OBJECTS = {"self", "cls", "ctx", "error", "value", "cfg"}
 
 
 def _patch_points(tree: ast.Module, path: str) -> set[str]:
-    """`path:function` of every place in `tree` that assigns an attribute of an object not in OWN_OBJECTS,
-    or calls setattr or a `.register(...)` (transformers' AttentionInterface; not atexit's)."""
+    """`path:function` of every place in `tree` that assigns or deletes an attribute of an object not in
+    OWN_OBJECTS (or an item of one: a module's _parameters), or calls setattr, delattr, register_parameter,
+    register_buffer or a `.register(...)` (transformers' AttentionInterface; not atexit's)."""
     found = set()
 
     def visit(node: ast.AST, where: str) -> None:
@@ -113,16 +114,24 @@ def _patch_points(tree: ast.Module, path: str) -> set[str]:
                 inner = f"{where}.{child.name}" if where else child.name
             targets = (child.targets if isinstance(child, ast.Assign) else
                        [child.target] if isinstance(child, ast.AugAssign | ast.AnnAssign) else [])
+            if isinstance(child, ast.Delete):
+                targets = child.targets
             for target in (t for top in targets for t in ast.walk(top)):
-                if isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store):
-                    root = target
-                    while isinstance(root, ast.Attribute):
+                # obj.attr = / del obj.attr, and obj.attr[key] = (a module's _parameters, _buffers)
+                store = isinstance(target, ast.Attribute) and isinstance(target.ctx, ast.Store | ast.Del)
+                store |= (isinstance(target, ast.Subscript) and isinstance(target.ctx, ast.Store | ast.Del)
+                          and isinstance(target.value, ast.Attribute))
+                if store:
+                    root = target.value if isinstance(target, ast.Subscript) else target
+                    while isinstance(root, ast.Attribute | ast.Subscript):
                         root = root.value
                     if not (isinstance(root, ast.Name) and root.id in OWN_OBJECTS):
                         found.add(f"{path}:{where}")
             if isinstance(child, ast.Call):
                 called = ast.unparse(child.func)
-                if called == "setattr" or (called.endswith(".register") and called != "atexit.register"):
+                if called in ("setattr", "object.__setattr__", "delattr") or (
+                        called.endswith((".register", ".register_parameter", ".register_buffer"))
+                        and called != "atexit.register"):
                     found.add(f"{path}:{where}")
             visit(child, inner)
 
