@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         moe.update_biases_after_each_step(optimizer)
     startup.done("weights")
     rss = host_peak_rss_per_rank(env)
-    log0(f"{loaded}; {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
+    architecture = type(model).__name__.removeprefix("FSDP")  # FSDP2 names the class it wraps the model in FSDP<class>
+    log0(f"{loaded}; {architecture}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
          f"host peak RSS per rank: {', '.join(f'{x:.1f}' for x in rss)} GiB")
 
     start_step = state["step"]
