@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sft.adapters.record import adapters_record, lora_change_problem
 from sft.config import LoRAConfig, ModelConfig
 from sft.distributed import local_part, local_slice
 from sft.errors import UserError
@@ -166,13 +165,19 @@ class LoRA:
         from its source)."""
         return {clean_name(name): param for name, param in model.named_parameters() if param.requires_grad}
 
+    # sft/adapters/record.py imported where used: it reads the base's files (sft/hub/), which the planner,
+    # importing this module on login nodes for the adapters' shapes, never loads
     def record(self, model_cfg: ModelConfig, seed: int, model: nn.Module, prepared: Path | None) -> dict:
         """What its adapters are trained on, for a checkpoint's train state (sft/adapters/record.py)."""
+        from sft.adapters.record import adapters_record
+
         return adapters_record(model_cfg, self.cfg, self.targets, seed, model, prepared)
 
     def check_resume(self, path: Path, saved: dict | None, ours: dict) -> None:
         """Refuse to resume checkpoint `path`, whose train state records `saved`, onto other adapters,
         or another base or scale unless lora.allow_resume_change (sft/adapters/record.py)."""
+        from sft.adapters.record import lora_change_problem
+
         lora_change_problem(path, saved, ours, self.cfg.allow_resume_change)
 
     def nf4_parameters(self) -> set[nn.Parameter]:

@@ -154,7 +154,11 @@ class SafetensorsWeights:
     def read_many(self, requests: Iterable[tuple[str, tuple[slice, ...]]], device: torch.device
                   ) -> Iterator[torch.Tensor]:
         """`read` of each (name, index), in order, READ_THREADS at a time and at most READ_AHEAD ahead
-        of the one the caller holds (within `reading`)."""
+        of the one the caller holds (within `reading`). Onto the CPU one at a time: read ahead, the slices
+        would wait in host memory, which then holds more than the rank's shards."""
+        if device.type == "cpu":
+            yield from (self.read(name, index, device) for name, index in requests)
+            return
         self.layout  # noqa: B018 -- made once, before the threads
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="weights") as pool:
             pending: collections.deque = collections.deque()

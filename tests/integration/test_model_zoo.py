@@ -29,6 +29,17 @@ THIS_YEAR = ("qwen3", "qwen3_5_text", "qwen3_5 (vision-language)", "qwen3_5_moe 
 FAMILIES = families()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """The zoo builds every family on a world of one (tests/zoo.py: `_one_rank`): gone with this module, so
+    that the next test file in this worker process starts without a process group."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def test_the_zoo_runs_every_family_of_this_transformers():
     assert len(FAMILIES) >= 150 and set(THIS_YEAR) <= set(FAMILIES), (len(FAMILIES), set(THIS_YEAR) - set(FAMILIES))
 
