@@ -86,15 +86,13 @@ class SafetensorsFiles:
                 try:
                     begin, end = (data + offset for offset in info["data_offsets"])
                     entry = Entry(file, info["dtype"], tuple(info["shape"]), begin, end)
-                    nbytes = math.prod(entry.shape) * DTYPES[entry.dtype_name].itemsize
-                except KeyError as e:
-                    if e.args == (info.get("dtype"),):  # a dtype torch has no name for here: refused if read
-                        self.entries[name] = entry
-                        continue
-                    raise DamagedFile(file, f"its header's entry {name!r} lacks {e}") from None
-                except (TypeError, ValueError) as e:
+                except (KeyError, TypeError, ValueError) as e:
                     raise DamagedFile(file, f"its header's entry {name!r} is unreadable ({type(e).__name__}: "
                                             f"{e})") from None
+                if entry.dtype_name not in DTYPES:  # a dtype this torch has no type for: refused if read
+                    self.entries[name] = entry
+                    continue
+                nbytes = math.prod(entry.shape) * DTYPES[entry.dtype_name].itemsize
                 if not data <= begin <= end <= size or end - begin != nbytes:
                     raise DamagedFile(file, f"{name!r} lies outside the file's {size} bytes or has the wrong "
                                             "size (a truncated download?)")
@@ -162,23 +160,34 @@ class SafetensorsFiles:
         if tensor.device.type == "cpu":
             _read_exactly(descriptor, memoryview(flat.numpy()), offset, entry.file)
             return
-        staging = self._staging  # this thread's: pinned, so the copy to the GPU runs while the next chunk is read
-        if not hasattr(staging, "buffers"):
-            with torch.cuda.device(tensor.device):  # pinned in this rank's GPU's context (a thread starts on GPU 0's)
-                self._staging.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-                                         for _ in range(2)]
-            self._staging.copied, self._staging.turn = [None, None], 0
-        stream = torch.cuda.current_stream(tensor.device)
-        for start in range(0, flat.numel(), STAGING_BYTES):
-            size, turn = min(STAGING_BYTES, flat.numel() - start), staging.turn
-            self._staging.turn ^= 1
-            if staging.copied[turn] is not None:
-                staging.copied[turn].synchronize()  # this buffer's previous copy has left it
-            buffer = staging.buffers[turn][:size]
-            _read_exactly(descriptor, memoryview(buffer.numpy()), offset + start, entry.file)
-            flat[start : start + size].copy_(buffer, non_blocking=True)
-            self._staging.copied[turn] = torch.cuda.Event()
-            staging.copied[turn].record(stream)
+        if not hasattr(self._staging, "pinned"):  # this thread's
+            self._staging.pinned = _PinnedStaging(tensor.device)
+        self._staging.pinned.copy(descriptor, offset, flat, entry.file)
+
+
+class _PinnedStaging:
+    """A thread's two pinned buffers, taking turns: a chunk is read into one while the other's copy to
+    the GPU runs."""
+
+    def __init__(self, device: torch.device):
+        with torch.cuda.device(device):  # pinned in this rank's GPU's context (a thread starts in GPU 0's)
+            self.buffers = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.turn = 0
+
+    def copy(self, descriptor: int, offset: int, into: torch.Tensor, file: str) -> None:
+        """The file's bytes from `offset` into the GPU tensor `into` (flat, bytes), chunk by chunk."""
+        stream = torch.cuda.current_stream(into.device)
+        for start in range(0, into.numel(), STAGING_BYTES):
+            size, turn = min(STAGING_BYTES, into.numel() - start), self.turn
+            self.turn ^= 1
+            if self.copied[turn] is not None:
+                self.copied[turn].synchronize()  # this buffer's previous copy has left it
+            buffer = self.buffers[turn][:size]
+            _read_exactly(descriptor, memoryview(buffer.numpy()), offset + start, file)
+            into[start : start + size].copy_(buffer, non_blocking=True)
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record(stream)
 
 
 def _read_exactly(descriptor: int, into: memoryview, offset: int, file: str) -> None:

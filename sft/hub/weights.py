@@ -111,7 +111,7 @@ class SafetensorsWeights:
 
     def read_as_stored(self, name: str) -> torch.Tensor:
         """Tensor `name` of the files, whole, in its stored dtype."""
-        return self._read_file(name, ..., torch.device("cpu"), names_in_files=True)
+        return self._from_files(name, ..., torch.device("cpu"))
 
     def check(self) -> None:
         """One clear error if the files lack a parameter of the model or hold it in another shape
@@ -173,11 +173,15 @@ class SafetensorsWeights:
                 for future in pending:
                     future.cancel()
 
-    def _read_file(self, name: str, index, device: torch.device, names_in_files: bool = False) -> torch.Tensor:
-        """Slice `index` of the files' tensor that the model would call `name` (or, `names_in_files`, that the
-        files call so), on `device`; a file shorter than its header says is one ModelError naming it."""
+    def _read_file(self, model_name: str, index, device: torch.device) -> torch.Tensor:
+        """Slice `index` of the files' tensor that the model would call `model_name`, on `device`."""
+        return self._from_files(self.names.of(model_name), index, device)
+
+    def _from_files(self, file_name: str, index, device: torch.device) -> torch.Tensor:
+        """Slice `index` of the files' tensor `file_name`, on `device`; a file shorter than its header says
+        is one ModelError naming it."""
         try:
-            return self.files.read(name if names_in_files else self.names.of(name), index, device)
+            return self.files.read(file_name, index, device)
         except DamagedFile as e:
             raise self._damaged(e) from None
 
