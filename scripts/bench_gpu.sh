@@ -69,6 +69,9 @@
 #             TRACE=1: plan.auto's LoRA runs (bf16 and float8 tensorwise) traced at steps 9-10
 #   lora30b   issue #46, one GPU: the whole Qwen3-30B-A3B with LoRA on the attention and every routed expert
 #             (plan.auto; mb 2 ac 1), then the peer (TRL + peft target_parameters, the same adapters) at PEER_BS rows
+#   lora35moe issue #58, one GPU: the whole Qwen3.5-35B-A3B (transformers' qwen3_5_moe_text defaults), random init,
+#             LoRA rank 16 on q/k/v/o and every routed expert (plan.auto; mb 2 ac 1), then the peer on the same
+#             adapters (scripts/trl_moe_bench.py --lora 16) at PEER_BS rows with PEER_AC (needs fla-core + tilelang)
 #   qlora30b  issue #46, one GPU: the same with QLoRA's NF4 base (experts too): plan.auto for an 80 GB card, mb 2 ac 1
 #   qwen35    issue #45, for 2 GPUs: Qwen3.5 of 9B shapes (configs/models/qwen3.5-9b: transformers' qwen3_5_text
 #             defaults, a Gated DeltaNet hybrid), random init, flash-linear-attention's kernels: each layer kind's kept
@@ -89,10 +92,12 @@
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
 #   startup   issue #58, one GPU: launch -> exit after step 2, twice with one fresh compile.cache_dir (cold: nothing
 #             cached; warm: a relaunch, as after a requeue): P-7B rows with LoRA (ac 1) and the whole Qwen3-30B-A3B
-#             with LoRA on its attention and experts (mb 2, ac 1), random init; each run's wall time, start-up and
+#             with LoRA on its attention and experts (mb 2, ac 1), Qwen3.5-9B with LoRA (plan.auto; needs
+#             fla-core + tilelang), random init; each run's wall time, start-up and
 #             first step with what torch.compile took from the cache; and load30b-24: Qwen3-30B-A3B with 24 of
 #             its 48 blocks saved as transformers saves it (30.5 GB), loaded by ours and by from_pretrained
-#             (scripts/bench_load.py), then the same LoRA run from it (ONLY=regex picks lora-p7b / lora30b / load30b-24)
+#             (scripts/bench_load.py), then the same LoRA run from it (ONLY=regex picks lora-p7b / lora30b /
+#             lora-qwen35-9b / load30b-24)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -626,6 +631,28 @@ RUNS
         if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/lora30b.md
         else grep -iE "error|out of memory" "$log" | tail -3; fi
       done ;;
+    lora35moe)  # issue #58, one GPU: the whole Qwen3.5-35B-A3B (configs/models/qwen3.5-35b-a3b: transformers'
+      # qwen3_5_moe_text defaults), random init, LoRA rank 16 on q/k/v/o and every routed expert, P-7B rows:
+      # plan.auto, then mb 2 with every block checkpointed (ONLY=regex picks); then the peer on the same adapters
+      # (scripts/trl_moe_bench.py --lora 16, one GPU) at PEER_BS rows (default 2) with PEER_AC (default "full none")
+      python3 -c "import fla, tilelang" || { echo "lora35moe needs fla-core and tilelang (see qwen35)"; exit 1; }
+      p7b_data
+      L35="configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3.5-35b-a3b lora.rank=16 lora.alpha=32 \
+lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts] optim.lr=2e-4"
+      ac_runs lora35moe <<RUNS
+lora35moe-auto $L35 plan.auto=true ${TRACE:+logging.profile_steps=[9,10]}
+lora35moe-mb2-ac1 $L35 train.micro_batch_size=2 ac.ratio=1
+RUNS
+      for bs in ${PEER_BS:-2}; do
+        for ac in ${PEER_AC:-full none}; do
+          log=$LOGS/trl-lora35moe-bs$bs-ac$ac.log
+          timeout "${RUN_TIMEOUT:-300}" python3 scripts/trl_moe_bench.py train --model configs/models/qwen3.5-35b-a3b \
+            --random --lora 16 --bs "$bs" --ac "$ac" --steps "$STEPS" >"$log" 2>&1
+          echo "trl-lora35moe-bs$bs-ac$ac: exit $?"
+          if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/lora35moe.md
+          else grep -iE "error|out of memory" "$log" | tail -3; fi
+        done
+      done ;;
     qlora30b)  # issue #46, one GPU: lora30b's adapters with the base in NF4, the routed experts' too (lora.base=nf4):
       # plan.auto within an 80 GB card's memory (plan.gpu_mem_gib=80), then mb 2 with every block checkpointed
       p7b_data
@@ -700,6 +727,7 @@ RUNS
       done <<RUNS
 lora-p7b configs/bench/p7b.yaml lora.rank=16 lora.alpha=32 ac.ratio=1
 lora30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
+lora-qwen35-9b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3.5-9b lora.rank=16 lora.alpha=32 plan.auto=true
 load30b-24 configs/bench/p7b.yaml model.name_or_path=/tmp/qwen3-30b-a3b-24 model.init=pretrained lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
 RUNS
       ;;
