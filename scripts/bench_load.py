@@ -9,6 +9,10 @@ bf16 (3,072 expert tensors); `qwen3.5-35b-a3b-12` Qwen3.5-35B-A3B's widths, 12 o
 21 GB (9,216 expert tensors); `qwen3-30b-a3b-24` Qwen3-30B-A3B with 24 of its 48 blocks, 30.5 GB.
 Both sides load bf16 onto `--device`; the page cache is warmed by a first read of every file. Each
 repeat checks that each of our loads (one per --threads) loaded what transformers loads, bit for bit.
+
+--dcp DIR: then the same weights saved once as a torch.distributed.checkpoint (what a resume reads,
+here in bf16: the same bytes as the files) and read back into the model as a resume does (`dcp.load`,
+`set_model_state_dict`), timed each repeat and checked bit for bit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from sft.config import ModelConfig
@@ -47,6 +53,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, nargs="+", default=[weights_module.READ_THREADS],
                         help="our loader's reading threads (sft/hub/weights.py: READ_THREADS), each timed")
+    parser.add_argument("--dcp", type=Path, help="also time a DCP resume of the same weights (saved there once)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if not (args.directory / "config.json").is_file():
@@ -90,7 +97,35 @@ def main() -> None:
             f"{t:.2f} s with {n} threads ({size / 1e9 / t:.2f} GB/s; the check {c:.2f} s)"
             for n, (t, c) in ours.items())
             + f" (check and load); from_pretrained {theirs:.2f} s ({size / 1e9 / theirs:.2f} GB/s)", flush=True)
+    if args.dcp is not None:
+        time_dcp_resume(args, device, size, synchronize)
 
+
+def time_dcp_resume(args: argparse.Namespace, device: torch.device, size: int, synchronize) -> None:
+    """The weights loaded from the files, saved once as a DCP checkpoint, read back as a resume does."""
+    model = build_meta_model(ModelConfig(name_or_path=str(args.directory))).to(torch.bfloat16)
+    materialize(model, real_buffers(model), device)
+    load_weights(model, SafetensorsWeights(str(args.directory), model), device)
+    expected = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    if not (args.dcp / ".metadata").is_file():
+        t0 = time.perf_counter()
+        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=args.dcp, no_dist=True)
+        print(f"DCP save of the same weights: {time.perf_counter() - t0:.2f} s", flush=True)
+    for file in args.dcp.iterdir():  # warm the page cache, as for the files above
+        file.read_bytes()
+    for _ in range(args.repeats):
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                tensor.zero_()
+        t0 = time.perf_counter()
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=args.dcp, no_dist=True)
+        set_model_state_dict(model, state["model"])
+        synchronize()
+        took = time.perf_counter() - t0
+        assert all(torch.equal(expected[name], tensor) for name, tensor in model.state_dict().items())
+        print(f"{size / 1e9:.1f} GB on {args.device}: DCP resume {took:.2f} s ({size / 1e9 / took:.2f} GB/s)",
+              flush=True)
 
 if __name__ == "__main__":
     main()
