@@ -33,6 +33,8 @@ from sft.models.nf4 import is_nf4
 from sft.hub.layout import is_adapter
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
+from sft.parallel import activation_checkpointing
+from sft.parallel.activation_checkpointing import OFFLOAD_MIN_BYTES
 from sft.parallel.mesh import ParallelDims
 
 
@@ -67,6 +69,7 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--param-dtype", default="float32")
     p.add_argument("--ac-ratio", type=float, default=0.0)
     p.add_argument("--ac-mode", default="blocks")
+    p.add_argument("--ac-offload", action="store_true", help="ac.offload (host copies of what checkpointing keeps)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--float8", default="none", help="precision.float8 (emulated float8 matmuls on CPU)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
@@ -188,6 +191,8 @@ def run(args: argparse.Namespace, env) -> dict:
     if args.empty_experts_probe:
         return empty_experts_probe(env)
     torch.manual_seed(0)
+    # the tiny models' activations are below the size ac.offload leaves on the device: every one moves
+    activation_checkpointing.OFFLOAD_MIN_BYTES = 0 if args.ac_offload else OFFLOAD_MIN_BYTES
     samples = synthetic_global_batch(args.global_batch)
     model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random",
                             attn_implementation=args.attn)
@@ -216,7 +221,8 @@ def run(args: argparse.Namespace, env) -> dict:
         named = dict(model.named_parameters())
     else:
         # The model as train.py builds it (sft/training/model.py), from the config these flags stand for.
-        cfg = Config(model=model_cfg, data=DataConfig(packing=args.packed), ac=ACConfig(args.ac_ratio, args.ac_mode),
+        cfg = Config(model=model_cfg, data=DataConfig(packing=args.packed),
+                     ac=ACConfig(args.ac_ratio, args.ac_mode, args.ac_offload),
                      fsdp=FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                                      reshard_after_forward=not args.zero2, replicate_degree=args.replicate),
                      compile=CompileConfig(enabled=args.compile), precision=PrecisionConfig(float8=args.float8),

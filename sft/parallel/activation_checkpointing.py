@@ -1,6 +1,7 @@
 """Activation checkpointing: which decoder blocks keep only part of their activations for backward
-(ac.ratio, `ac_block_indices`), and what a checkpointed block keeps (ac.mode, `AC_MODES`): its input
-only (whole blocks recomputed), or also the outputs of its expensive ops (op-level, selective).
+(ac.ratio, `ac_block_indices`), what a checkpointed block keeps (ac.mode, `AC_MODES`): its input
+only (whole blocks recomputed), or also the outputs of its expensive ops (op-level, selective), and
+where it keeps them (ac.offload, `apply_host_offload`: in host memory).
 
 The one table of modes (sft/config/schema.py:AC_MODES, the values ac.mode takes) is read here by the
 policy that checkpoints the blocks (`apply_ac`) and by the planner's costs of each mode
@@ -154,6 +155,75 @@ def _selective_context(mode: ACMode, always_kept: frozenset, adapter_widths: fro
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+# What a checkpointed block keeps that is smaller than this stays on its device under ac.offload
+# (rotary tables, routing indices, scalars): not worth a copy each way.
+OFFLOAD_MIN_BYTES = 1 << 20
+
+
+class _HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Tensors autograd saves meanwhile kept in host memory (pinned, where they come from a GPU)
+    until backward unpacks them. Copies run on the current stream without a host sync: the copy out
+    is ordered before any later kernel that reuses the memory, the copy back before the backward's
+    kernels that read it. Parameters stay (a compiled block saves its gathered weights, which FSDP
+    holds anyway), as do tensor subclasses and small tensors."""
+
+    def __init__(self):
+        super().__init__(self._to_host, self._to_device)
+
+    @staticmethod
+    def _to_host(tensor: torch.Tensor):
+        if (type(tensor) is not torch.Tensor or isinstance(tensor, nn.Parameter)
+                or tensor.numel() * tensor.element_size() < OFFLOAD_MIN_BYTES):
+            return tensor
+        host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
+        host.copy_(tensor, non_blocking=True)
+        return tensor.device, host
+
+    @staticmethod
+    def _to_device(packed) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=True)
+
+
+@functools.cache  # one class (isinstance), made on first use: its base imports FSDP, which the planner does not need
+def _host_offloaded() -> type[nn.Module]:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    class HostOffloaded(ActivationWrapper):
+        """A checkpointed block (compiled or not) whose kept tensors live in host memory: the hooks
+        are entered outside the compiled region, so they see the tensors checkpointing keeps (its
+        inputs, saved through autograd's hooks) and, compiled, what the partitioner keeps; the
+        recomputed ops' tensors stay checkpointing's own. The wrapper's name drops out of
+        parameter names as the checkpoint wrapper's does."""
+
+        def forward(self, *args, **kwargs):
+            with _HostOffload():
+                return self._checkpoint_wrapped_module(*args, **kwargs)
+
+    return HostOffloaded
+
+
+def apply_host_offload(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """ac.offload: each checkpointed block (apply_ac's wrapper, compiled or not) wrapped so that
+    what it keeps for backward is held in host memory; returns the new block list (FSDP shards the
+    wrappers)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    wrapper = _host_offloaded()
+    wrapped = []
+    for block in blocks:
+        if isinstance(block, CheckpointWrapper):
+            new = wrapper(block)
+            _replace_module(model, block, new)
+            block = new
+        wrapped.append(block)
+    log0(f"ac.offload: {sum(isinstance(b, wrapper) for b in wrapped)} checkpointed blocks keep their inputs in "
+         "host memory")
+    return wrapped
 
 
 def apply_ac(model: nn.Module, blocks: list[nn.Module], ac: ACConfig, always_kept: frozenset = frozenset(),

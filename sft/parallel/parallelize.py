@@ -1,5 +1,5 @@
 """Parallelise a meta-device model, in the fixed order: context parallelism -> expert parallelism ->
-float8 -> activation checkpointing -> compile -> FSDP2.
+float8 -> activation checkpointing -> compile -> host offload of what checkpointing keeps -> FSDP2.
 
 The order matters: context parallelism only swaps the attention function, and expert parallelism
 places the experts on their ranks and swaps how rows reach them, before anything wraps or compiles
@@ -19,7 +19,7 @@ from torch import nn
 
 from sft.config import ACConfig, FSDPConfig
 from sft.distributed import log0
-from sft.parallel.activation_checkpointing import apply_ac
+from sft.parallel.activation_checkpointing import apply_ac, apply_host_offload
 from sft.parallel.context_parallel import apply_context_parallel
 from sft.parallel.expert_parallel import apply_expert_parallel
 from sft.parallel.float8 import apply_float8
@@ -41,7 +41,7 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
                 fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: LoRA | None = None) -> None:
-    """context parallelism -> expert parallelism -> float8 -> AC -> compile -> FSDP on a meta-device
+    """context parallelism -> expert parallelism -> float8 -> AC -> compile -> offload -> FSDP on a meta-device
     model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
     precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
     its experts placed by expert parallelism and sharded by its placement); `lora` the handle
@@ -56,4 +56,6 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
                       adapter_widths=lora.widths if lora else frozenset())
     if compile_blocks:
         apply_compile(blocks)
+    if ac.offload:  # outside the compiled region: its hooks see what the compiled block keeps
+        blocks = apply_host_offload(model, blocks)
     apply_fsdp(model, blocks, dims, fsdp, moe, lora)

@@ -233,6 +233,9 @@ class Setting:
     """fsdp.reduce_dtype's bytes"""
     weight_bytes: int = 2
     """fsdp.param_dtype's bytes, of the gathered and the frozen weights"""
+    ac_offload: bool = False
+    """ac.offload: the checkpointed blocks' inputs wait in host memory (counted as gone from the GPU;
+    what compiled op-level blocks keep beyond them moves too, and is still counted)"""
 
 
 def peak_bytes(s: Shapes, run: Setting) -> float:
@@ -275,6 +278,8 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
         # GPU's share), which ac.mode=attention does not; counted here as kept per block.
         kept += run.cp * gathered_kv
+    if run.ac_offload:
+        kept -= 2 * s.hidden
     kept_whole = sum(b for i, b in enumerate(layer_bytes) if i not in checkpointed_blocks)
     activations = run.tokens * (checkpointed * kept + kept_whole)
     if checkpointed:
@@ -382,6 +387,6 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     run = Setting(dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled, cfg.fsdp.reshard_after_forward,
                   grad_accum, cfg.fsdp.cpu_offload, float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep,
                   state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize,
-                  DTYPES[cfg.fsdp.param_dtype].itemsize)
+                  DTYPES[cfg.fsdp.param_dtype].itemsize, cfg.ac.offload)
     return peak_bytes(s, run) / GIB
 

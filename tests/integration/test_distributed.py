@@ -143,6 +143,7 @@ AC_EQUAL_TO_NONE = [
     ("ops, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops"], []),
     ("ops_half, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops_half"], []),
     ("attention, ratio 1", ["--ac-ratio", "1", "--ac-mode", "attention"], []),
+    ("blocks, ratio 0.5, offloaded to host memory", ["--ac-ratio", "0.5", "--ac-offload"], []),
     ("ops, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops"],
      ["--float8", "tensorwise", "--param-dtype", "bfloat16"]),
     ("ops_half, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops_half"],
@@ -153,6 +154,7 @@ AC_EQUAL_TO_NONE = [
     ("compiled: ops as blocks", ["--ac-mode", "ops"], ["--compile", "--ac-ratio", "1"]),
     ("compiled: ops_half as blocks", ["--ac-mode", "ops_half"], ["--compile", "--ac-ratio", "1"]),
     ("compiled: attention as blocks", ["--ac-mode", "attention"], ["--compile", "--ac-ratio", "1"]),
+    ("compiled: blocks offloaded to host memory", ["--ac-offload"], ["--compile", "--ac-ratio", "1"]),
     ("compiled float8: ops as blocks", ["--ac-mode", "ops"],
      ["--compile", "--ac-ratio", "1", "--float8", "tensorwise", "--param-dtype", "bfloat16"]),
 ]

@@ -1,6 +1,6 @@
-"""Op-level activation checkpointing in process: what a block recomputes, and what a compiled block keeps
-(the bytes the planner counts). The gradients of every mode against no checkpointing: the
-distributed tables (tests/integration/test_distributed.py, AC_EQUAL_TO_NONE)."""
+"""Op-level activation checkpointing in process: what a block recomputes, what a compiled block keeps
+(the bytes the planner counts), and what ac.offload moves to host memory. The gradients of every mode
+against no checkpointing: the distributed tables (tests/integration/test_distributed.py, AC_EQUAL_TO_NONE)."""
 
 from collections import Counter
 
@@ -10,9 +10,9 @@ import torch
 from helpers import DEMO_MODEL, OpCounter
 from sft.config import ACConfig, ModelConfig
 from sft.models.architecture import decoder_blocks
-from sft.models.build import build_meta_model
-from sft.parallel.activation_checkpointing import apply_ac
-from sft.parallel.activation_checkpointing import kept_bytes_per_token
+from sft.models.build import build_meta_model, clean_name
+from sft.parallel import activation_checkpointing
+from sft.parallel.activation_checkpointing import _HostOffload, apply_ac, apply_host_offload, kept_bytes_per_token
 from sft.plan import Shapes
 
 
@@ -84,3 +84,46 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
     kept = sum(t.numel() * t.element_size() for t in saved) / (batch * seq)
     shapes = Shapes.of(build_meta_model(ModelConfig(name_or_path=str(DEMO_MODEL))))
     assert kept == kept_bytes_per_token(shapes, compiled=True, mode=mode) == per_token
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_offloaded_blocks_keep_their_inputs_in_host_memory(monkeypatch, compiled):
+    """ac.offload: each checkpointed block's input (hidden states) goes to host memory and comes back
+    for its recomputation; compiled, the weights the partitioner saves stay where they are; the
+    gradients are those of blocks that keep their inputs on the device, bit for bit; the parameter
+    names do not change."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    monkeypatch.setattr(activation_checkpointing, "OFFLOAD_MIN_BYTES", 0)  # the demo's activations are small
+    to_host = _HostOffload._to_host
+    seen: list[tuple[torch.Tensor, bool]] = []  # (tensor, moved to the host)
+    monkeypatch.setattr(_HostOffload, "_to_host", staticmethod(
+        lambda tensor: seen.append((tensor, isinstance(packed := to_host(tensor), tuple))) or packed))
+    batch, seq = 2, 16
+    ids = torch.randint(0, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for offload in (False, True):
+        torch._dynamo.reset()
+        model = _demo_model()
+        names = list(model.state_dict())
+        blocks = apply_ac(model, decoder_blocks(model), ACConfig(1.0, "blocks"))
+        if compiled:  # the partitioner's choice without inductor's code generation (fast on a CPU)
+            boxed = aot_autograd(fw_compiler=lambda graph, _: make_boxed_func(graph),
+                                 bw_compiler=lambda graph, _: make_boxed_func(graph))
+            for block in blocks:
+                block.compile(backend=boxed)
+        if offload:
+            apply_host_offload(model, blocks)
+            assert [clean_name(name) for name in model.state_dict()] == names
+        seen.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads[offload] = {clean_name(name): param.grad for name, param in model.named_parameters()}
+    moved = [tensor for tensor, to_the_host in seen if to_the_host]
+    hidden = model.config.hidden_size
+    assert sum(tuple(t.shape) == (batch, seq, hidden) for t in moved) == model.config.num_hidden_layers
+    assert not any(isinstance(t, torch.nn.Parameter) for t in moved)
+    if compiled:  # the compiled blocks save their weights too: seen, and left alone
+        assert any(isinstance(t, torch.nn.Parameter) for t, to_the_host in seen if not to_the_host)
+    for name, grad in grads[False].items():
+        assert torch.equal(grad, grads[True][name]), name

@@ -160,6 +160,15 @@ def test_op_level_checkpointing_sits_between_whole_blocks_and_none(qwen7b):
     assert extra == pytest.approx(28 * 8192 * (kept - 2 * 3584) + 8192 * (151552 - kept) - 8192 * 151552)
 
 
+def test_offloaded_block_inputs_leave_the_gpu(qwen7b):
+    """ac.offload: each checkpointed block's input (bf16, hidden wide) no longer counts on the GPU
+    (at ratios whose peak is still the end of the forward)."""
+    for ratio, checkpointed in ((0.25, 7), (0.5, 14)):
+        on_gpu, offloaded = (peak_bytes(qwen7b, Setting(1, 131072, 65536, ratio, True, ac_offload=offload))
+                             for offload in (False, True))
+        assert (on_gpu - offloaded) / ALLOCATOR_SLACK == pytest.approx(checkpointed * 131072 * 2 * 3584)
+
+
 # (GPUs, GiB per GPU, tokens per row, offload) -> the smallest cp.degree that fits (P-7B config).
 # 256k on 8 GPUs: cp 2 would hold 14 GiB of gathered K/V (whole blocks) or 24 GiB of attention's outputs.
 SMALLEST_CP = [(2, 79.1, 32768, False, 1), (2, 79.1, 65536, False, 2), (2, 79.1, 131072, False, None),
