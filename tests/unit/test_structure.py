@@ -147,3 +147,14 @@ def test_every_patch_point_is_listed():
     listed = {line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| sft/")}
     assert sorted(in_code - listed) == [], "list these in docs/patch-points.md (what they change, the kind, why)"
     assert sorted(listed - in_code) == [], "these rows of docs/patch-points.md name no patch point any more"
+
+
+def test_every_bench_stage_has_its_own_name():
+    """scripts/bench_gpu.sh runs the first `case` branch of a stage's name: a second stage of the same
+    name would never run (and its runs' device time would go to the first)."""
+    import re
+    from collections import Counter
+
+    stages = re.findall(r"^    ([a-z0-9]+)\)", (REPO / "scripts/bench_gpu.sh").read_text(), re.MULTILINE)
+    assert len(stages) >= 40  # the parse finds them
+    assert [name for name, count in Counter(stages).items() if count > 1] == []
