@@ -71,6 +71,12 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
                      + ("the checkpoint staging, " if cfg.checkpoint.stages_in_host_memory else "")
                      + f"the process) for {m.host_mem_gib:.0f} GiB{host_mem_note}"
                      + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
+    if cfg.ac.offload:
+        need = host_gib_per_node(s, cfg, m)
+        offloaded = memory.offloaded_block_bytes_per_rank(s, cfg, m) * m.gpus_on_a_node / GIB
+        lines.append(f"host (ac.offload): {offloaded:.1f} GiB per node of the checkpointed blocks' inputs "
+                     f"({m.gpus_on_a_node} GPUs per node), {need:.1f} GiB in all for {m.host_mem_gib:.0f} GiB"
+                     f"{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     choice = suggest(s, cfg, m)
     if choice:
         _, _, micro, accum = choice

@@ -352,23 +352,45 @@ def this_machine_mem_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
 
 
+def offloaded_block_bytes_per_rank(s: Shapes, cfg: Config, m: Machine) -> int:
+    """ac.offload: the checkpointed blocks' inputs of one micro-batch (bf16; at the config's ac.ratio) in
+    pinned host memory, each rounded up to a power of two by PyTorch's caching pinned allocator."""
+    if not cfg.ac.offload:
+        return 0
+    tokens = cfg.train.micro_batch_size * -(-cfg.data.max_seq_len // ParallelDims.of(cfg, m.gpus).cp)
+    return len(ac_block_indices(s.layers, cfg.ac.ratio)) * (1 << (2 * tokens * s.hidden - 1).bit_length())
+
+
 def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
-    """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)."""
-    return m.gpus_on_a_node * host_bytes_per_rank(s, ParallelDims.of(cfg, m.gpus).shard_ranks,
-                                                  cfg.checkpoint.stages_in_host_memory) / GIB
+    """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)
+    and ac.offload (offloaded_block_bytes_per_rank)."""
+    if cfg.fsdp.cpu_offload:
+        per_rank = host_bytes_per_rank(s, ParallelDims.of(cfg, m.gpus).shard_ranks,
+                                       cfg.checkpoint.stages_in_host_memory)
+    else:
+        per_rank = HOST_PROCESS_GIB * GIB
+    return m.gpus_on_a_node * (per_rank + offloaded_block_bytes_per_rank(s, cfg, m)) / GIB
 
 
 def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
-    """Why the host side of fsdp.cpu_offload does not fit the node, or None (also without offload)."""
-    if not cfg.fsdp.cpu_offload:
+    """Why the host side of fsdp.cpu_offload and ac.offload does not fit the node, or None (also
+    without either)."""
+    offloads = [key for key, on in (("fsdp.cpu_offload", cfg.fsdp.cpu_offload), ("ac.offload", cfg.ac.offload)) if on]
+    if not offloads:
         return None
     need = host_gib_per_node(s, cfg, m)
     if need <= m.host_mem_gib:
         return None
-    staging = ", checkpoint.async_save=false" if cfg.checkpoint.stages_in_host_memory else ""
-    return (f"fsdp.cpu_offload needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
-            f"per node) > {m.host_mem_gib:.0f} GiB: use more nodes (more shard ranks), fewer GPUs per node{staging} "
-            "or fsdp.cpu_offload=false")
+    # what lowers each: more shard ranks (fsdp.cpu_offload's shards), a smaller share of a row (ac.offload)
+    fixes = ["fewer GPUs per node"]
+    if cfg.fsdp.cpu_offload:
+        fixes.insert(0, "more nodes (more shard ranks)")
+        fixes += ["checkpoint.async_save=false"] if cfg.checkpoint.stages_in_host_memory else []
+    if cfg.ac.offload:
+        fixes.append("a larger cp.degree")
+    fixes.append(" / ".join(f"{key}=false" for key in offloads))
+    return (f"{' with '.join(offloads)} needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
+            f"per node) > {m.host_mem_gib:.0f} GiB: use {', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def float8_saves_inputs(cfg: Config) -> bool:

@@ -169,6 +169,24 @@ def test_offloaded_block_inputs_leave_the_gpu(qwen7b):
         assert (on_gpu - offloaded) / ALLOCATOR_SLACK == pytest.approx(checkpointed * 131072 * 2 * 3584)
 
 
+
+def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
+    """384k-token rows of P-7B's model with LoRA on one H200: the blocks' inputs (28 x 2.6 GiB) would
+    not fit beside the rest; offloaded, each takes a pinned block of 4 GiB (a power of two) on the host."""
+    def plan(gpus, host, offload):
+        return plan_cli(capsys, "--config", "configs/bench/p7b.yaml", "--gpus", str(gpus), "--gpu-mem", "139.8",
+                        "--host-mem", str(host), "data.max_seq_len=393216", "train.micro_batch_size=1",
+                        "lora.rank=16", "ac.ratio=1", f"ac.offload={offload}")[1]
+
+    assert "this config (micro-batch 1, ac.ratio 1): 161.8 GiB per GPU predicted — does NOT fit" in plan(1, 128, "false")
+    out = plan(1, 128, "true")
+    assert "this config (micro-batch 1, ac.ratio 1): 84.6 GiB per GPU predicted — fits" in out
+    assert "host (ac.offload): 112.0 GiB per node of the checkpointed blocks' inputs (1 GPUs per node), 114.0 GiB" in out
+    out = plan(8, 512, "true")
+    assert ("ac.offload needs 912 GiB of host memory per node (8 GPUs per node) > 512 GiB: use fewer GPUs per node, "
+            "a larger cp.degree or ac.offload=false") in out
+
+
 # (GPUs, GiB per GPU, tokens per row, offload) -> the smallest cp.degree that fits (P-7B config).
 # 256k on 8 GPUs: cp 2 would hold 14 GiB of gathered K/V (whole blocks) or 24 GiB of attention's outputs.
 SMALLEST_CP = [(2, 79.1, 32768, False, 1), (2, 79.1, 65536, False, 2), (2, 79.1, 131072, False, None),
