@@ -14,8 +14,9 @@ from sft.config import state_bytes
 from sft.models.build import ModelError, build_meta_model
 from sft.parallel.mesh import ParallelDims
 from sft.plan import memory
+from sft.plan.host import host_gib_per_node, host_problem, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
-                             host_gib_per_node, host_problem, predict_fit, predict_gib)
+                             predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, nothing_fits, roomier_layout,
                              smallest_cp, suggest, text_of)
 
@@ -73,7 +74,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
                      + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     if cfg.ac.offload:
         need = host_gib_per_node(s, cfg, m)
-        offloaded = memory.offloaded_block_bytes_per_rank(s, cfg, m) * m.gpus_on_a_node / GIB
+        offloaded = offloaded_block_bytes_per_rank(s, cfg, m) * m.gpus_on_a_node / GIB
         lines.append(f"host (ac.offload): {offloaded:.1f} GiB per node of the checkpointed blocks' inputs "
                      f"({m.gpus_on_a_node} GPUs per node), {need:.1f} GiB in all for {m.host_mem_gib:.0f} GiB"
                      f"{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))

@@ -1,4 +1,4 @@
-"""The memory model: the predicted per-GPU peak (and, with offload, the host's) of a setting.
+"""The memory model: the predicted per-GPU peak of a setting (the host's: sft/plan/host.py).
 
 Peak = the larger of two moments; what is allocated and freed within a block or micro-batch
 (gathered blocks, activations, loss buffers, unsharded gradients) gets 5% allocator slack, the
@@ -20,7 +20,6 @@ memory model"; docs/BENCHMARKS.md "Memory planner" compares the predictions with
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -39,9 +38,6 @@ from sft.parallel.mesh import ParallelDims
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05
-# One rank's own host footprint (CUDA context, libraries, Python): 1.8 GiB RSS per rank measured
-# after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
-HOST_PROCESS_GIB = 2.0
 DEFAULT_GPUS_PER_NODE = 8
 # A prediction fits a GPU when it is within this fraction of its memory: the rest is for the CUDA
 # context, NCCL and cuBLAS buffers and allocator fragmentation. A 14B offload run predicted at 93%
@@ -312,17 +308,6 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     return max(end_of_forward, end_of_backward)
 
 
-def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = False) -> float:
-    """Host bytes one rank holds with fsdp.cpu_offload (see the module docstring)."""
-    # FSDP2 shards dim 0, padded to a multiple of the shard ranks.
-    shards = [math.ceil(shape[0] / shard_ranks) * math.prod(shape[1:]) for shape in s.param_shapes]
-    # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned
-    # block; PyTorch's caching pinned allocator rounds every block up to a power of two.
-    pinned = 2 * sum(1 << (4 * n - 1).bit_length() for n in shards)
-    staged = STATE_BYTES.checkpoint * sum(shards) if staged_checkpoints else 0  # the state the writer writes
-    return pinned + STATE_BYTES.optimizer * sum(shards) + staged + HOST_PROCESS_GIB * GIB
-
-
 @dataclass(frozen=True)
 class Machine:
     """What a run plans for: GPUs in all, GiB per GPU, host GiB and GPUs per node."""
@@ -350,47 +335,6 @@ class Machine:
 
 def this_machine_mem_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-
-
-def offloaded_block_bytes_per_rank(s: Shapes, cfg: Config, m: Machine) -> int:
-    """ac.offload: the checkpointed blocks' inputs of one micro-batch (bf16; at the config's ac.ratio) in
-    pinned host memory, each rounded up to a power of two by PyTorch's caching pinned allocator."""
-    if not cfg.ac.offload:
-        return 0
-    tokens = cfg.train.micro_batch_size * -(-cfg.data.max_seq_len // ParallelDims.of(cfg, m.gpus).cp)
-    return len(ac_block_indices(s.layers, cfg.ac.ratio)) * (1 << (2 * tokens * s.hidden - 1).bit_length())
-
-
-def host_gib_per_node(s: Shapes, cfg: Config, m: Machine) -> float:
-    """Predicted host GiB per node with fsdp.cpu_offload (its ranks' shards, pinned rounding, processes)
-    and ac.offload (offloaded_block_bytes_per_rank)."""
-    if cfg.fsdp.cpu_offload:
-        per_rank = host_bytes_per_rank(s, ParallelDims.of(cfg, m.gpus).shard_ranks,
-                                       cfg.checkpoint.stages_in_host_memory)
-    else:
-        per_rank = HOST_PROCESS_GIB * GIB
-    return m.gpus_on_a_node * (per_rank + offloaded_block_bytes_per_rank(s, cfg, m)) / GIB
-
-
-def host_problem(s: Shapes, cfg: Config, m: Machine) -> str | None:
-    """Why the host side of fsdp.cpu_offload and ac.offload does not fit the node, or None (also
-    without either)."""
-    offloads = [key for key, on in (("fsdp.cpu_offload", cfg.fsdp.cpu_offload), ("ac.offload", cfg.ac.offload)) if on]
-    if not offloads:
-        return None
-    need = host_gib_per_node(s, cfg, m)
-    if need <= m.host_mem_gib:
-        return None
-    # what lowers each: more shard ranks (fsdp.cpu_offload's shards), a smaller share of a row (ac.offload)
-    fixes = ["fewer GPUs per node"]
-    if cfg.fsdp.cpu_offload:
-        fixes.insert(0, "more nodes (more shard ranks)")
-        fixes += ["checkpoint.async_save=false"] if cfg.checkpoint.stages_in_host_memory else []
-    if cfg.ac.offload:
-        fixes.append("a larger cp.degree")
-    fixes.append(" / ".join(f"{key}=false" for key in offloads))
-    return (f"{' with '.join(offloads)} needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
-            f"per node) > {m.host_mem_gib:.0f} GiB: use {', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 def float8_saves_inputs(cfg: Config) -> bool:

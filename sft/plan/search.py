@@ -15,8 +15,8 @@ from sft.errors import UserError, explain
 from sft.models.build import build_meta_model
 from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, recompute_fraction
 from sft.parallel.mesh import ParallelDims
-from sft.plan.memory import (GIB, Machine, Shapes, host_gib_per_node, host_problem, predict_fit, predict_gib,
-                             usable_fraction)
+from sft.plan.host import host_gib_per_node, host_problem
+from sft.plan.memory import GIB, Machine, Shapes, predict_fit, predict_gib, usable_fraction
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = tuple(AC_MODES)
