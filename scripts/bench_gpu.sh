@@ -72,7 +72,7 @@
 #   lora35moe issue #58, one GPU: the whole Qwen3.5-35B-A3B (transformers' qwen3_5_moe_text defaults), random init,
 #             LoRA rank 16 on q/k/v/o and every routed expert (plan.auto; mb 2 ac 1), then the peer on the same
 #             adapters (scripts/trl_moe_bench.py --lora 16) at PEER_BS rows with PEER_AC (needs fla-core + tilelang)
-#   acoffload issue #60, one GPU: ac.offload on and off, P-7B's model with LoRA on rows of LONG (32768) tokens, ac 1
+#   acoffload issue #60, one GPU: ac.offload on and off, P-7B's model with LoRA on rows of OFFLOAD_LEN (32768) tokens, ac 1
 #   qlora30b  issue #46, one GPU: the same with QLoRA's NF4 base (experts too): plan.auto for an 80 GB card, mb 2 ac 1
 #   qwen35    issue #45, for 2 GPUs: Qwen3.5 of 9B shapes (configs/models/qwen3.5-9b: transformers' qwen3_5_text
 #             defaults, a Gated DeltaNet hybrid), random init, flash-linear-attention's kernels: each layer kind's kept
@@ -655,9 +655,9 @@ RUNS
         done
       done ;;
     acoffload)  # issue #60, one GPU: ac.offload (the checkpointed blocks' inputs in host memory) against the same run
-      # keeping them on the GPU: P-7B's model with LoRA rank 16 on rows of LONG tokens (default 32768), mb 1, ac 1
-      python3 scripts/synthetic_tokens.py --out data/bench/long.parquet --samples $((NGPU * STEPS)) --length "${LONG:-32768}"
-      LONGROWS="configs/bench/p7b.yaml data.path=data/bench/long.parquet data.max_seq_len=${LONG:-32768} \
+      # keeping them on the GPU: P-7B's model with LoRA rank 16 on rows of OFFLOAD_LEN tokens (default 32768), mb 1, ac 1
+      python3 scripts/synthetic_tokens.py --out data/bench/long.parquet --samples $((NGPU * STEPS)) --length "${OFFLOAD_LEN:-32768}"
+      LONGROWS="configs/bench/p7b.yaml data.path=data/bench/long.parquet data.max_seq_len=${OFFLOAD_LEN:-32768} \
 train.micro_batch_size=1 lora.rank=16 lora.alpha=32 ac.ratio=1"
       ac_runs acoffload <<RUNS
 acoffload-off $LONGROWS

@@ -33,8 +33,7 @@ from sft.models.nf4 import is_nf4
 from sft.hub.layout import is_adapter
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
-from sft.parallel import activation_checkpointing
-from sft.parallel.activation_checkpointing import OFFLOAD_MIN_BYTES
+from sft.parallel.activation_checkpointing import _host_offloaded_block_class
 from sft.parallel.mesh import ParallelDims
 
 
@@ -191,8 +190,6 @@ def run(args: argparse.Namespace, env) -> dict:
     if args.empty_experts_probe:
         return empty_experts_probe(env)
     torch.manual_seed(0)
-    # the tiny models' activations are below the size ac.offload leaves on the device: every one moves
-    activation_checkpointing.OFFLOAD_MIN_BYTES = 0 if args.ac_offload else OFFLOAD_MIN_BYTES
     samples = synthetic_global_batch(args.global_batch)
     model_cfg = ModelConfig(name_or_path=args.load or args.model, init="pretrained" if args.load else "random",
                             attn_implementation=args.attn)
@@ -262,6 +259,7 @@ def run(args: argparse.Namespace, env) -> dict:
             stats = all_reduce_sum(moe.step_stats(), env.device)
             result["aux_loss"] = moe.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
+        result["host_offloaded_blocks"] = sum(isinstance(m, _host_offloaded_block_class()) for m in model.modules())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values() if p.requires_grad})
         result["frozen_shard_dtypes"] = sorted({str(local_part(p).dtype) for p in named.values() if not p.requires_grad})
         result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]

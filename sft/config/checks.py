@@ -36,7 +36,7 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
           "required: a hub dataset name or a local .jsonl/.json/.parquet file")
     check(0.0 <= cfg.ac.ratio <= 1.0, "ac.ratio", cfg.ac.ratio, "must be in [0, 1]")
     check(not cfg.ac.offload or cfg.ac.ratio > 0 or cfg.plan.auto, "ac.offload", cfg.ac.offload,
-          "moves what checkpointed blocks keep to host memory: set ac.ratio > 0 too")
+          "keeps the checkpointed blocks' inputs in host memory: set ac.ratio > 0 too (or plan.auto=true)")
     check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
     check(0 <= cfg.optim.min_lr <= cfg.optim.lr, "optim.min_lr", cfg.optim.min_lr, "must be in [0, optim.lr]")
     check(0.0 <= cfg.optim.warmup_ratio < 1.0, "optim.warmup_ratio", cfg.optim.warmup_ratio, "must be in [0, 1)")

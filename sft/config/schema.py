@@ -183,12 +183,12 @@ class ACConfig:
     at long context the most expensive kernel is not rerun, for one more bf16 vector per token per
     block. python -m sft.plan shows the memory of each; works with compile, float8, packing and FSDP2."""
     offload: bool = False
-    """Keep what the checkpointed blocks hold for their backward in host memory (pinned) instead of
-    on the GPU: each block's input (compiled blocks: all they keep but their weights), copied out
-    after its forward and back when its backward starts. For rows too long for the GPU to hold every
-    block's input (256k tokens of a 4096-wide model: 2 GiB a block); costs two copies a block and
-    step over PCIe and host memory per GPU of about tokens x hidden x 2 bytes x checkpointed blocks.
-    Needs ac.ratio > 0."""
+    """Keep each checkpointed block's input in host memory (pinned) instead of on the GPU until its
+    backward: copied out after its forward, back when its backward recomputes it (what op-level
+    modes keep beyond it stays on the GPU). For rows too long for the GPU to hold every block's
+    input (256k tokens of a 4096-wide model: 2 GiB a block); costs two copies a block and step over
+    PCIe, and host memory per GPU of tokens x hidden x 2 bytes, rounded up to a power of two, per
+    checkpointed block (python -m sft.plan counts it). Needs ac.ratio > 0."""
 
 
 @dataclass

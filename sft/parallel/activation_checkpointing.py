@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from sft.config import AC_MODES, ACMode
+from sft.config import AC_MODES, ACMode, ConfigError
 from sft.distributed import log0
 
 if TYPE_CHECKING:
@@ -157,28 +157,25 @@ def _selective_context(mode: ACMode, always_kept: frozenset, adapter_widths: fro
     return create_selective_checkpoint_contexts(policy)
 
 
-# What a checkpointed block keeps that is smaller than this stays on its device under ac.offload
-# (rotary tables, routing indices, scalars): not worth a copy each way.
-OFFLOAD_MIN_BYTES = 1 << 20
-
-
 class _HostOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Tensors autograd saves meanwhile kept in host memory (pinned, where they come from a GPU)
-    until backward unpacks them. Copies run on the current stream without a host sync: the copy out
-    is ordered before any later kernel that reuses the memory, the copy back before the backward's
-    kernels that read it. Parameters stay (a compiled block saves its gathered weights, which FSDP
-    holds anyway), as do tensor subclasses and small tensors."""
+    """While a checkpointed block runs: what autograd saves of its input (the hidden states, found by
+    their storage) is kept in host memory (pinned, where it comes from a GPU) until backward unpacks
+    it; everything else saved stays where it is (the rotary tables every block shares, the weights a
+    compiled block saves, what op-level checkpointing keeps). Copies run on the current stream
+    without a host sync: the copy out is ordered before any later kernel that reuses the memory, the
+    copy back before the backward's kernels that read it."""
 
-    def __init__(self):
+    def __init__(self, hidden_states: torch.Tensor):
         super().__init__(self._to_host, self._to_device)
+        self.storage = hidden_states.untyped_storage().data_ptr()
+        self.moved = 0
 
-    @staticmethod
-    def _to_host(tensor: torch.Tensor):
-        if (type(tensor) is not torch.Tensor or isinstance(tensor, nn.Parameter)
-                or tensor.numel() * tensor.element_size() < OFFLOAD_MIN_BYTES):
+    def _to_host(self, tensor: torch.Tensor):
+        if type(tensor) is not torch.Tensor or tensor.untyped_storage().data_ptr() != self.storage:
             return tensor
         host = torch.empty_like(tensor, device="cpu", pin_memory=tensor.is_cuda)
         host.copy_(tensor, non_blocking=True)
+        self.moved += 1
         return tensor.device, host
 
     @staticmethod
@@ -190,30 +187,40 @@ class _HostOffload(torch.autograd.graph.saved_tensors_hooks):
 
 
 @functools.cache  # one class (isinstance), made on first use: its base imports FSDP, which the planner does not need
-def _host_offloaded() -> type[nn.Module]:
+def _host_offloaded_block_class() -> type[nn.Module]:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
     class HostOffloaded(ActivationWrapper):
-        """A checkpointed block (compiled or not) whose kept tensors live in host memory: the hooks
-        are entered outside the compiled region, so they see the tensors checkpointing keeps (its
-        inputs, saved through autograd's hooks) and, compiled, what the partitioner keeps; the
-        recomputed ops' tensors stay checkpointing's own. The wrapper's name drops out of
-        parameter names as the checkpoint wrapper's does."""
+        """A checkpointed block (compiled or not) whose input waits in host memory for its backward:
+        the hooks are entered outside the compiled region, so they see the input as checkpointing
+        saves it (through autograd's hooks, positional arguments only) and, compiled, as the
+        partitioner does. The wrapper's name drops out of parameter names as the checkpoint
+        wrapper's does."""
 
         def forward(self, *args, **kwargs):
-            with _HostOffload():
+            hidden_states = args[0] if args else kwargs.get("hidden_states")
+            if not torch.is_grad_enabled() or not isinstance(hidden_states, torch.Tensor):
                 return self._checkpoint_wrapped_module(*args, **kwargs)
+            offload = _HostOffload(hidden_states)
+            with offload:
+                out = self._checkpoint_wrapped_module(*args, **kwargs)
+            if not offload.moved:  # eager checkpointing keeps keyword arguments out of autograd's hooks
+                block = self._checkpoint_wrapped_module._checkpoint_wrapped_module  # inside the checkpoint wrapper
+                raise ConfigError(f"ac.offload: {type(block).__name__}'s input was "
+                                  "not saved where it can move to host memory (passed by keyword?); set "
+                                  "ac.offload=false, or compile.enabled=true")
+            return out
 
     return HostOffloaded
 
 
 def apply_host_offload(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """ac.offload: each checkpointed block (apply_ac's wrapper, compiled or not) wrapped so that
-    what it keeps for backward is held in host memory; returns the new block list (FSDP shards the
+    """ac.offload: each checkpointed block (apply_ac's wrapper, compiled or not) wrapped so that its
+    input waits for its backward in host memory; returns the new block list (FSDP shards the
     wrappers)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    wrapper = _host_offloaded()
+    wrapper = _host_offloaded_block_class()
     wrapped = []
     for block in blocks:
         if isinstance(block, CheckpointWrapper):

@@ -14,11 +14,11 @@ from sft.config import state_bytes
 from sft.models.build import ModelError, build_meta_model
 from sft.parallel.mesh import ParallelDims
 from sft.plan import memory
-from sft.plan.host import host_gib_per_node, host_problem, offloaded_block_bytes_per_rank
+from sft.plan.host import host_gib_per_node, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
                              predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, nothing_fits, roomier_layout,
-                             smallest_cp, suggest, text_of)
+                             smallest_cp, suggest, text_of, why_nothing_fits)
 
 # Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -64,28 +64,26 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         each, at_once = state_bytes(cfg.optim).checkpoint * s.trained / GIB, cfg.checkpoint.most_on_disk
         lines.append(f"checkpoints: {each:.1f} GiB each (weights and Adam moments), up to {at_once} at once "
                      f"(checkpoint.keep_last + the one being written): {each * at_once:.1f} GiB of train.output_dir")
-    if cfg.fsdp.cpu_offload:
+    if cfg.fsdp.cpu_offload or cfg.ac.offload:
         need = host_gib_per_node(s, cfg, m)
-        per_rank = need / m.gpus_on_a_node
-        lines.append(f"host (fsdp.cpu_offload): {need:.1f} GiB per node predicted ({m.gpus_on_a_node} GPUs "
-                     f"per node x {per_rank:.1f} GiB: fp32 params + grads pinned, Adam moments, "
-                     + ("the checkpoint staging, " if cfg.checkpoint.stages_in_host_memory else "")
-                     + f"the process) for {m.host_mem_gib:.0f} GiB{host_mem_note}"
+        parts = ["fp32 params + grads pinned, Adam moments"] if cfg.fsdp.cpu_offload else []
+        parts += ["the checkpoint staging"] if cfg.fsdp.cpu_offload and cfg.checkpoint.stages_in_host_memory else []
+        if cfg.ac.offload:
+            offloaded = offloaded_block_bytes_per_rank(s, cfg, m) / GIB
+            parts.append(f"{offloaded:.1f} GiB of the checkpointed blocks' inputs (ac.offload)")
+        lines.append(f"host: {need:.1f} GiB per node predicted ({m.gpus_on_a_node} GPUs per node x "
+                     f"{need / m.gpus_on_a_node:.1f} GiB: {', '.join(parts)}, the process) for "
+                     f"{m.host_mem_gib:.0f} GiB{host_mem_note}"
                      + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
-    if cfg.ac.offload:
-        need = host_gib_per_node(s, cfg, m)
-        offloaded = offloaded_block_bytes_per_rank(s, cfg, m) * m.gpus_on_a_node / GIB
-        lines.append(f"host (ac.offload): {offloaded:.1f} GiB per node of the checkpointed blocks' inputs "
-                     f"({m.gpus_on_a_node} GPUs per node), {need:.1f} GiB in all for {m.host_mem_gib:.0f} GiB"
-                     f"{host_mem_note}" + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))
     choice = suggest(s, cfg, m)
     if choice:
         _, _, micro, accum = choice
         global_batch = ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {global_batch})")
     else:
-        lines.append(host_problem(s, cfg, m) or nothing_fits(cfg, m))
-        if roomier := roomier_layout(s, cfg, m):
+        lines.append(reason := why_nothing_fits(s, cfg, m))
+        # lighter state helps the GPUs only, not a host that cannot hold what is offloaded
+        if reason == nothing_fits(cfg, m) and (roomier := roomier_layout(s, cfg, m)):
             roomier_cfg, roomier_choice, overrides = roomier
             state = f"{state_bytes(roomier_cfg.optim).total} bytes of state per parameter"
             lean = any(key.startswith("optim.") for key in overrides)
@@ -115,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, required=True, help="total number of GPUs")
     parser.add_argument("--gpu-mem", type=float, default=80, help="GiB per GPU you allow the run to use")
     parser.add_argument("--host-mem", type=float, default=None,
-                        help="with fsdp.cpu_offload: host GiB per node you allow the run to use "
+                        help="with fsdp.cpu_offload or ac.offload: host GiB per node you allow the run to use "
                              "(default: this machine's memory, right only if it is one of the job's nodes)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
-                        help=f"with fsdp.cpu_offload: GPUs per node (default: min(--gpus, {DEFAULT_GPUS_PER_NODE}))")
+                        help=f"with fsdp.cpu_offload or ac.offload: GPUs per node (default: min(--gpus, "
+                             f"{DEFAULT_GPUS_PER_NODE}))")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after the options
     m = Machine.of(args.gpus, args.gpu_mem, args.host_mem, args.gpus_per_node)

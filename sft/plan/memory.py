@@ -344,11 +344,17 @@ def float8_saves_inputs(cfg: Config) -> bool:
     return cfg.precision.float8 != "none" and not cfg.lora.enabled
 
 
+def tokens_per_gpu(cfg: Config, gpus: int, micro_batch: int) -> int:
+    """Tokens of a micro-batch of max_seq_len rows on one GPU: its share of each row under context
+    parallelism."""
+    return micro_batch * -(-cfg.data.max_seq_len // ParallelDims.of(cfg, gpus).cp)
+
+
 def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: float, ac_mode: str) -> float:
     """Predicted peak GiB per GPU for `cfg` with this micro-batch (of max_seq_len sequences, each
     split over cp.degree GPUs), ratio and mode, with the grad-acc that keeps the config's global batch."""
     dims = ParallelDims.of(cfg, gpus)  # the degrees of every axis, as the run's mesh will have them
-    tokens = micro_batch * -(-cfg.data.max_seq_len // dims.cp)
+    tokens = tokens_per_gpu(cfg, gpus, micro_batch)
     grad_accum = max(1, cfg.train.micro_batch_size * cfg.train.grad_accum_steps // micro_batch)
     run = Setting(dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled, cfg.fsdp.reshard_after_forward,
                   grad_accum, cfg.fsdp.cpu_offload, float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep,

@@ -49,10 +49,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine, failed: tuple[float, str, int] |
     cost 0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one),
     then whole blocks before op-level modes. Never `failed` (ac.ratio, ac.mode, micro-batch: a setting
     that ran out of memory), nor op-level modes for Gated DeltaNet hybrids (not modelled for their
-    blocks). None if nothing fits the GPUs, or, with fsdp.cpu_offload, the host (no setting here
-    changes that)."""
-    if host_problem(s, cfg, m):
-        return None
+    blocks). None if nothing fits the GPUs, or with fsdp.cpu_offload or ac.offload the host (whose
+    offloaded block inputs grow with the micro-batch and the ratio)."""
     dims = ParallelDims.of(cfg, m.gpus)
     global_batch = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     data_parallel = dims.dp_size
@@ -60,7 +58,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine, failed: tuple[float, str, int] |
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and (ratio, mode, micro) != failed
-            and (mode == "blocks" or not s.delta_blocks) and predict_fit(s, cfg, m, micro, ratio, mode)[1]]
+            and (mode == "blocks" or not s.delta_blocks) and predict_fit(s, cfg, m, micro, ratio, mode)[1]
+            and not host_problem(s, cfg, m, micro, ratio)]
     if not fits:
         return None
     *_, micro, _, ratio, mode = min(fits)
@@ -78,9 +77,22 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
         if m.gpus % (degree * cfg.fsdp.replicate_degree) or degree > m.gpus_on_a_node:
             continue
         at = dataclasses.replace(cfg, cp=dataclasses.replace(cfg.cp, degree=degree))
-        if any(predict_fit(s, at, m, 1, ratio, mode)[1] for ratio, mode in AC_SETTINGS):
+        if any(predict_fit(s, at, m, 1, ratio, mode)[1] and not host_problem(s, at, m, 1, ratio)
+               for ratio, mode in AC_SETTINGS):
             return degree
     return None
+
+
+def why_nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
+    """Why `suggest` found nothing: the host at the config's setting, or at a setting the GPUs would
+    take (ac.offload's inputs grow with the micro-batch and the ratio), or else the GPUs."""
+    if problem := host_problem(s, cfg, m):
+        return problem
+    for micro in sorted({*MICRO_BATCHES, cfg.train.micro_batch_size}):
+        for ratio, mode in AC_SETTINGS:
+            if predict_fit(s, cfg, m, micro, ratio, mode)[1] and (problem := host_problem(s, cfg, m, micro, ratio)):
+                return problem
+    return nothing_fits(cfg, m)
 
 
 def nothing_fits(cfg: Config, m: Machine) -> str:
@@ -153,7 +165,7 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         _set(cfg, overrides)
         note = text_of(overrides) + " "
     if choice is None:
-        raise ConfigError(f"plan.auto: {host_problem(shapes, cfg, m) or nothing_fits(cfg, m)}")
+        raise ConfigError(f"plan.auto: {why_nothing_fits(shapes, cfg, m)}")
     configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)

@@ -138,23 +138,24 @@ def test_bf16_mixed_precision_keeps_fp32_master_state(runs):
 # and of its baseline without AC). Recomputed ops run the same kernels on the same inputs.
 AC_EQUAL_TO_NONE = [
     ("blocks, ratio 0.5", ["--ac-ratio", "0.5"], []),
+    ("blocks, ratio 0.5, inputs in host memory", ["--ac-ratio", "0.5", "--ac-offload"], []),
     ("blocks, ratio 1", ["--ac-ratio", "1"], []),
     ("ops, ratio 0.5", ["--ac-ratio", "0.5", "--ac-mode", "ops"], []),
     ("ops, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops"], []),
     ("ops_half, ratio 1", ["--ac-ratio", "1", "--ac-mode", "ops_half"], []),
     ("attention, ratio 1", ["--ac-ratio", "1", "--ac-mode", "attention"], []),
-    ("blocks, ratio 0.5, offloaded to host memory", ["--ac-ratio", "0.5", "--ac-offload"], []),
     ("ops, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops"],
      ["--float8", "tensorwise", "--param-dtype", "bfloat16"]),
     ("ops_half, ratio 1, float8 tensorwise", ["--ac-ratio", "1", "--ac-mode", "ops_half"],
      ["--float8", "tensorwise", "--param-dtype", "bfloat16"]),
     # Compiled, a checkpointed block's backward is fused with its recomputation, so its float32 sums
     # differ from the unchecked block's in the last bits (~1e-7; test_compiled_blocks_match_eager
-    # bounds that); whether the matmuls were kept or recomputed must not change a bit.
+    # bounds that); whether the matmuls were kept or recomputed, or the inputs waited in host memory
+    # (ac.offload), must not change a bit.
     ("compiled: ops as blocks", ["--ac-mode", "ops"], ["--compile", "--ac-ratio", "1"]),
     ("compiled: ops_half as blocks", ["--ac-mode", "ops_half"], ["--compile", "--ac-ratio", "1"]),
-    ("compiled: attention as blocks", ["--ac-mode", "attention"], ["--compile", "--ac-ratio", "1"]),
-    ("compiled: blocks offloaded to host memory", ["--ac-offload"], ["--compile", "--ac-ratio", "1"]),
+    ("compiled: attention as blocks, inputs in host memory", ["--ac-mode", "attention", "--ac-offload"],
+     ["--compile", "--ac-ratio", "1"]),
     ("compiled float8: ops as blocks", ["--ac-mode", "ops"],
      ["--compile", "--ac-ratio", "1", "--float8", "tensorwise", "--param-dtype", "bfloat16"]),
 ]
@@ -198,6 +199,9 @@ def runs(tmp_path_factory, models):
 @pytest.mark.parametrize("name, ac_flags, flags", AC_EQUAL_TO_NONE, ids=[row[0] for row in AC_EQUAL_TO_NONE])
 def test_activation_checkpointing_gradients_are_bitwise_equal(runs, name, ac_flags, flags):
     plain, ac = runs(baseline(flags)), runs(name)
+    # ac.offload: every checkpointed block wrapped (the tiny model has 4; ratio 0.5 checkpoints 2)
+    offloaded = 0 if "--ac-offload" not in ac_flags else 2 if "0.5" in ac_flags else 4
+    assert ac["host_offloaded_blocks"] == offloaded
     assert ac["loss"] == plain["loss"]
     for param in plain["grads"]:
         assert torch.equal(ac["grads"][param], plain["grads"][param]), param

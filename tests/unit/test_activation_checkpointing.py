@@ -11,7 +11,6 @@ from helpers import DEMO_MODEL, OpCounter
 from sft.config import ACConfig, ModelConfig
 from sft.models.architecture import decoder_blocks
 from sft.models.build import build_meta_model, clean_name
-from sft.parallel import activation_checkpointing
 from sft.parallel.activation_checkpointing import _HostOffload, apply_ac, apply_host_offload, kept_bytes_per_token
 from sft.plan import Shapes
 
@@ -89,17 +88,23 @@ def test_compiled_op_level_block_keeps_what_the_planner_counts(mode, per_token):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_offloaded_blocks_keep_their_inputs_in_host_memory(monkeypatch, compiled):
     """ac.offload: each checkpointed block's input (hidden states) goes to host memory and comes back
-    for its recomputation; compiled, the weights the partitioner saves stay where they are; the
-    gradients are those of blocks that keep their inputs on the device, bit for bit; the parameter
-    names do not change."""
+    for its recomputation, and nothing else does (compiled: not the weights nor the rotary tables the
+    partitioner saves too); the gradients are those of blocks that keep their inputs on the device,
+    bit for bit; the parameter names do not change."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # inductor's
 
-    monkeypatch.setattr(activation_checkpointing, "OFFLOAD_MIN_BYTES", 0)  # the demo's activations are small
+    moved: list[torch.Tensor] = []
     to_host = _HostOffload._to_host
-    seen: list[tuple[torch.Tensor, bool]] = []  # (tensor, moved to the host)
-    monkeypatch.setattr(_HostOffload, "_to_host", staticmethod(
-        lambda tensor: seen.append((tensor, isinstance(packed := to_host(tensor), tuple))) or packed))
+
+    def counted(self, tensor):
+        packed = to_host(self, tensor)
+        if isinstance(packed, tuple):
+            moved.append(tensor)
+        return packed
+
+    monkeypatch.setattr(_HostOffload, "_to_host", counted)
     batch, seq = 2, 16
     ids = torch.randint(0, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
     grads = {}
@@ -110,20 +115,29 @@ def test_offloaded_blocks_keep_their_inputs_in_host_memory(monkeypatch, compiled
         blocks = apply_ac(model, decoder_blocks(model), ACConfig(1.0, "blocks"))
         if compiled:  # the partitioner's choice without inductor's code generation (fast on a CPU)
             boxed = aot_autograd(fw_compiler=lambda graph, _: make_boxed_func(graph),
-                                 bw_compiler=lambda graph, _: make_boxed_func(graph))
+                                 bw_compiler=lambda graph, _: make_boxed_func(graph),
+                                 partition_fn=min_cut_rematerialization_partition)
             for block in blocks:
                 block.compile(backend=boxed)
         if offload:
             apply_host_offload(model, blocks)
-            assert [clean_name(name) for name in model.state_dict()] == names
-        seen.clear()
+            assert list(model.state_dict()) == names
+        moved.clear()
         model(input_ids=ids, labels=ids).loss.backward()
         grads[offload] = {clean_name(name): param.grad for name, param in model.named_parameters()}
-    moved = [tensor for tensor, to_the_host in seen if to_the_host]
-    hidden = model.config.hidden_size
-    assert sum(tuple(t.shape) == (batch, seq, hidden) for t in moved) == model.config.num_hidden_layers
-    assert not any(isinstance(t, torch.nn.Parameter) for t in moved)
-    if compiled:  # the compiled blocks save their weights too: seen, and left alone
-        assert any(isinstance(t, torch.nn.Parameter) for t, to_the_host in seen if not to_the_host)
+    assert [tuple(t.shape) for t in moved] == [(batch, seq, model.config.hidden_size)] * model.config.num_hidden_layers
     for name, grad in grads[False].items():
         assert torch.equal(grad, grads[True][name]), name
+
+
+def test_offload_refuses_a_block_whose_input_it_cannot_move():
+    """Eager checkpointing keeps keyword arguments out of autograd's hooks: a block called with its
+    hidden states by keyword would keep them on the device while the planner counts them as moved."""
+    from sft.config import ConfigError
+
+    model = _demo_model()
+    blocks = apply_host_offload(model, apply_ac(model, decoder_blocks(model), ACConfig(1.0, "blocks")))
+    hidden = torch.randn(1, 4, model.config.hidden_size, requires_grad=True)
+    rotary = model.model.rotary_emb(hidden, torch.arange(4)[None])
+    with pytest.raises(ConfigError, match=r"ac.offload: .*DecoderLayer's input was not saved .*set ac.offload=false"):
+        blocks[0](hidden_states=hidden, position_embeddings=rotary, attention_mask=None)

@@ -172,19 +172,27 @@ def test_offloaded_block_inputs_leave_the_gpu(qwen7b):
 
 def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
     """384k-token rows of P-7B's model with LoRA on one H200: the blocks' inputs (28 x 2.6 GiB) would
-    not fit beside the rest; offloaded, each takes a pinned block of 4 GiB (a power of two) on the host."""
-    def plan(gpus, host, offload):
+    not fit beside the rest; offloaded, each takes a pinned block of 4 GiB (a power of two) on the
+    host, and the setting suggested must fit the host too (a higher ac.ratio offloads more)."""
+    def plan(gpus, host, offload, ratio="1"):
         return plan_cli(capsys, "--config", "configs/bench/p7b.yaml", "--gpus", str(gpus), "--gpu-mem", "139.8",
                         "--host-mem", str(host), "data.max_seq_len=393216", "train.micro_batch_size=1",
-                        "lora.rank=16", "ac.ratio=1", f"ac.offload={offload}")[1]
+                        "lora.rank=16", f"ac.ratio={ratio}", f"ac.offload={offload}")[1]
 
     assert "this config (micro-batch 1, ac.ratio 1): 161.8 GiB per GPU predicted — does NOT fit" in plan(1, 128, "false")
     out = plan(1, 128, "true")
     assert "this config (micro-batch 1, ac.ratio 1): 84.6 GiB per GPU predicted — fits" in out
-    assert "host (ac.offload): 112.0 GiB per node of the checkpointed blocks' inputs (1 GPUs per node), 114.0 GiB" in out
+    assert ("host: 114.0 GiB per node predicted (1 GPUs per node x 114.0 GiB: 112.0 GiB of the checkpointed blocks' "
+            "inputs (ac.offload), the process) for 128 GiB — fits") in out
+    # 64 GiB of host memory: the config's ac 0.25 fits the host (28 + 2 GiB) but not the GPU, and the
+    # settings the GPU takes (ac 1: 114 GiB) not the host
+    out = plan(1, 64, "true", ratio="0.25")
+    assert "suggested" not in out and "nor with" not in out
+    assert ("ac.offload needs 114 GiB of host memory per node (1 GPUs per node at train.micro_batch_size=1 "
+            "ac.ratio=1) > 64 GiB") in out
     out = plan(8, 512, "true")
     assert ("ac.offload needs 912 GiB of host memory per node (8 GPUs per node) > 512 GiB: use fewer GPUs per node, "
-            "a larger cp.degree or ac.offload=false") in out
+            "a smaller train.micro_batch_size or ac.ratio, a larger cp.degree or ac.offload=false") in out
 
 
 # (GPUs, GiB per GPU, tokens per row, offload) -> the smallest cp.degree that fits (P-7B config).
@@ -373,11 +381,11 @@ def test_cli_plans_offload_on_a_machine_without_gpus(at_repo, capsys):
     # GPU side: micro-batch 2 at ac 1 without the 12 bytes/parameter of sharded state (47.5 GiB on 64 GPUs with it).
     assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted — fits" in out
     # Host side: 8 GPUs x (16 bytes x 72.7e9 / 8 + rounding + process) does not fit 1 TiB.
-    assert "host (fsdp.cpu_offload): 1159.7 GiB per node predicted (8 GPUs per node x 145.0 GiB" in out
+    assert "host: 1159.7 GiB per node predicted (8 GPUs per node x 145.0 GiB: fp32 params" in out
     assert "for 1024 GiB — does NOT fit" in out and "fsdp.cpu_offload needs 1160 GiB of host memory per node" in out
     # The config's periodic asynchronous saves stage 12 bytes x 72.7e9 / 8 = 101.6 GiB more per rank.
     out = plan()
-    assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted (8 GPUs per node x 246.5 GiB" in out
+    assert "host: 1972.3 GiB per node predicted (8 GPUs per node x 246.5 GiB" in out
     assert "the checkpoint staging" in out and "checkpoint.async_save=false or fsdp.cpu_offload=false" in out
 
 
@@ -408,7 +416,7 @@ def test_planning_a_hub_model_without_the_hub_uses_the_shipped_shapes(at_repo, c
     assert out.startswith(f"Qwen/Qwen2.5-72B (the hub is not reachable: shapes from "
                                   f"{REPO / 'configs/models/qwen2.5-72b'}): 72.71B parameters")
     assert "this config (micro-batch 2, ac.ratio 1): 31.4 GiB per GPU predicted" in out
-    assert "host (fsdp.cpu_offload): 1972.3 GiB per node predicted" in out
+    assert "host: 1972.3 GiB per node predicted" in out
     # 72.71B x 12 bytes; keep_last 2 committed + the one being written
     assert "checkpoints: 812.6 GiB each (weights and Adam moments), up to 3 at once" in out
 
