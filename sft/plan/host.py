@@ -23,7 +23,7 @@ def pinned_bytes(size: int) -> int:
 
 
 def host_bytes_per_rank(s: Shapes, shard_ranks: int, staged_checkpoints: bool = False) -> float:
-    """Host bytes one rank holds with fsdp.cpu_offload (see the module docstring)."""
+    """Host bytes one rank holds with fsdp.cpu_offload (docs/training.md, "The memory model")."""
     # FSDP2 shards dim 0, padded to a multiple of the shard ranks.
     shards = [math.ceil(shape[0] / shard_ranks) * math.prod(shape[1:]) for shape in s.param_shapes]
     # FSDP pins each parameter's shard, and each gradient's copy to the host lands in a pinned block

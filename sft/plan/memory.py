@@ -230,8 +230,8 @@ class Setting:
     weight_bytes: int = 2
     """fsdp.param_dtype's bytes, of the gathered and the frozen weights"""
     ac_offload: bool = False
-    """ac.offload: the checkpointed blocks' inputs wait in host memory (counted as gone from the GPU;
-    what compiled op-level blocks keep beyond them moves too, and is still counted)"""
+    """ac.offload: the checkpointed blocks' inputs wait in host memory (gone from the GPU's count;
+    what op-level modes keep beyond them stays on the GPU)"""
 
 
 def peak_bytes(s: Shapes, run: Setting) -> float:
