@@ -73,6 +73,7 @@
 #             LoRA rank 16 on q/k/v/o and every routed expert (plan.auto; mb 2 ac 1), then the peer on the same
 #             adapters (scripts/trl_moe_bench.py --lora 16) at PEER_BS rows with PEER_AC (needs fla-core + tilelang)
 #   acoffload issue #60, one GPU: ac.offload on and off, P-7B's model with LoRA on rows of OFFLOAD_LEN (32768) tokens, ac 1
+#   longrow   issue #60, one GPU: Qwen3.5-9B LoRA at 256k and the whole Qwen3-30B-A3B LoRA at 128k with ac.offload
 #   qlora30b  issue #46, one GPU: the same with QLoRA's NF4 base (experts too): plan.auto for an 80 GB card, mb 2 ac 1
 #   qwen35    issue #45, for 2 GPUs: Qwen3.5 of 9B shapes (configs/models/qwen3.5-9b: transformers' qwen3_5_text
 #             defaults, a Gated DeltaNet hybrid), random init, flash-linear-attention's kernels: each layer kind's kept
@@ -662,6 +663,18 @@ train.micro_batch_size=1 lora.rank=16 lora.alpha=32 ac.ratio=1"
       ac_runs acoffload <<RUNS
 acoffload-off $LONGROWS
 acoffload-on $LONGROWS ac.offload=true
+RUNS
+      ;;
+    longrow)  # issue #60, one GPU: the longest rows the goals name, every block checkpointed with its input in host
+      # memory (ac.offload), mb 1, LoRA rank 16: Qwen3.5-9B at 256k tokens (needs fla-core + tilelang; predicted 72.3
+      # GiB, 139.5 without offload) and the whole Qwen3-30B-A3B (attention + routed experts) at 128k (92.9 GiB);
+      # run with STEPS=3 and ONLY=one of them per call: a 256k step takes a minute or more, a call at most 10
+      python3 scripts/synthetic_tokens.py --out data/bench/len256k.parquet --samples $((NGPU * STEPS)) --length 262144
+      python3 scripts/synthetic_tokens.py --out data/bench/len128k.parquet --samples $((NGPU * STEPS)) --length 131072
+      ROWS="configs/bench/p7b.yaml train.micro_batch_size=1 lora.rank=16 lora.alpha=32 ac.ratio=1 ac.offload=true"
+      WARMUP=1 RUN_TIMEOUT=${RUN_TIMEOUT:-540} ac_runs longrow <<RUNS
+longrow-q35-9b-256k $ROWS model.name_or_path=configs/models/qwen3.5-9b data.path=data/bench/len256k.parquet data.max_seq_len=262144
+longrow-q30b-128k $ROWS model.name_or_path=configs/models/qwen3-30b-a3b data.path=data/bench/len128k.parquet data.max_seq_len=131072 lora.target_modules=[all-linear,experts]
 RUNS
       ;;
     qlora30b)  # issue #46, one GPU: lora30b's adapters with the base in NF4, the routed experts' too (lora.base=nf4):
