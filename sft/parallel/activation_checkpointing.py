@@ -228,8 +228,10 @@ def apply_host_offload(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Mod
             _replace_module(model, block, new)
             block = new
         wrapped.append(block)
-    log0(f"ac.offload: {sum(isinstance(b, wrapper) for b in wrapped)} checkpointed blocks keep their inputs in "
-         "host memory")
+    offloaded = sum(isinstance(b, wrapper) for b in wrapped)
+    log0(f"ac.offload: {offloaded} checkpointed blocks keep their inputs in host memory" if offloaded else
+         "warning: ac.offload moves nothing: no block is checkpointed (ac.ratio picks none of "
+         f"{len(wrapped)} blocks); raise ac.ratio")
     return wrapped
 
 

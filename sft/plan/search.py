@@ -49,8 +49,9 @@ def suggest(s: Shapes, cfg: Config, m: Machine, failed: tuple[float, str, int] |
     cost 0.55% of a step), then the largest micro-batch (of MICRO_BATCHES and the configured one),
     then whole blocks before op-level modes. Never `failed` (ac.ratio, ac.mode, micro-batch: a setting
     that ran out of memory), nor op-level modes for Gated DeltaNet hybrids (not modelled for their
-    blocks). None if nothing fits the GPUs, or with fsdp.cpu_offload or ac.offload the host (whose
-    offloaded block inputs grow with the micro-batch and the ratio)."""
+    blocks), nor ac.ratio 0 with ac.offload (which would move nothing). None if nothing fits the
+    GPUs, or with fsdp.cpu_offload or ac.offload the host (whose offloaded block inputs grow with the
+    micro-batch and the ratio)."""
     dims = ParallelDims.of(cfg, m.gpus)
     global_batch = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     data_parallel = dims.dp_size
@@ -58,8 +59,8 @@ def suggest(s: Shapes, cfg: Config, m: Machine, failed: tuple[float, str, int] |
              MODES.index(mode), ratio, mode)
             for micro in {*MICRO_BATCHES, cfg.train.micro_batch_size} for ratio, mode in AC_SETTINGS
             if global_batch % (micro * data_parallel) == 0 and (ratio, mode, micro) != failed
-            and (mode == "blocks" or not s.delta_blocks) and predict_fit(s, cfg, m, micro, ratio, mode)[1]
-            and not host_problem(s, cfg, m, micro, ratio)]
+            and (mode == "blocks" or not s.delta_blocks) and (ratio > 0 or not cfg.ac.offload)
+            and predict_fit(s, cfg, m, micro, ratio, mode)[1] and not host_problem(s, cfg, m, micro, ratio)]
     if not fits:
         return None
     *_, micro, _, ratio, mode = min(fits)
@@ -96,7 +97,8 @@ def why_nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
 
 
 def nothing_fits(cfg: Config, m: Machine) -> str:
-    offload = "" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, "
+    offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
+        "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ")
     return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
             "cp.degree or a shorter data.max_seq_len")
 
@@ -206,8 +208,8 @@ def gpu_memory_gib(cfg: Config, device) -> float | None:
 
 def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                gpus_per_node: int | None = None) -> str | None:
-    """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload,
-    the node's host memory), else None."""
+    """A warning if the planner predicts this run exceeds the GPU's memory (or, with fsdp.cpu_offload
+    or ac.offload, the node's host memory), else None."""
     s = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     m = Machine.of(world_size, gpu_mem_gib, host_mem_gib, gpus_per_node)
     predicted, fits = predict_fit(s, cfg, m, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)

@@ -190,6 +190,10 @@ def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
     assert "suggested" not in out and "nor with" not in out
     assert ("ac.offload needs 114 GiB of host memory per node (1 GPUs per node at train.micro_batch_size=1 "
             "ac.ratio=1) > 64 GiB") in out
+    # 4k rows: without offload the planner would check no block (ac.ratio=0), which would move nothing
+    out = plan_cli(capsys, "--config", "configs/bench/p7b.yaml", "--gpus", "1", "--gpu-mem", "139.8", "--host-mem", "128",
+                   "lora.rank=16", "ac.ratio=1", "ac.offload=true")[1]
+    assert "suggested: ac.ratio=0.25 ac.mode=ops train.micro_batch_size=2" in out
     out = plan(8, 512, "true")
     assert ("ac.offload needs 912 GiB of host memory per node (8 GPUs per node) > 512 GiB: use fewer GPUs per node, "
             "a smaller train.micro_batch_size or ac.ratio, a larger cp.degree or ac.offload=false") in out
