@@ -17,8 +17,8 @@ from sft.plan import memory
 from sft.plan.host import host_gib_per_node, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
                              predict_fit, predict_gib)
-from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, nothing_fits, roomier_layout,
-                             smallest_cp, suggest, text_of, why_nothing_fits)
+from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, host_refusal, nothing_fits,
+                             roomier_layout, smallest_cp, suggest, text_of)
 
 # Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -81,9 +81,10 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         global_batch = ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {global_batch})")
     else:
-        lines.append(reason := why_nothing_fits(s, cfg, m))
+        host = host_refusal(s, cfg, m)
+        lines.append(host or nothing_fits(cfg, m))
         # lighter state helps the GPUs only, not a host that cannot hold what is offloaded
-        if reason == nothing_fits(cfg, m) and (roomier := roomier_layout(s, cfg, m)):
+        if not host and (roomier := roomier_layout(s, cfg, m)):
             roomier_cfg, roomier_choice, overrides = roomier
             state = f"{state_bytes(roomier_cfg.optim).total} bytes of state per parameter"
             lean = any(key.startswith("optim.") for key in overrides)

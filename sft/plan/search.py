@@ -84,16 +84,14 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
     return None
 
 
-def why_nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
-    """Why `suggest` found nothing: the host at the config's setting, or at a setting the GPUs would
-    take (ac.offload's inputs grow with the micro-batch and the ratio), or else the GPUs."""
+def host_refusal(s: Shapes, cfg: Config, m: Machine) -> str | None:
+    """Why the host, not the GPUs, left `suggest` with nothing: it cannot hold the config's setting,
+    or a setting the GPUs would take (ac.offload's inputs grow with the micro-batch and the ratio)."""
     if problem := host_problem(s, cfg, m):
         return problem
-    for micro in sorted({*MICRO_BATCHES, cfg.train.micro_batch_size}):
-        for ratio, mode in AC_SETTINGS:
-            if predict_fit(s, cfg, m, micro, ratio, mode)[1] and (problem := host_problem(s, cfg, m, micro, ratio)):
-                return problem
-    return nothing_fits(cfg, m)
+    return next((problem for micro in sorted({*MICRO_BATCHES, cfg.train.micro_batch_size})
+                 for ratio, mode in AC_SETTINGS if predict_fit(s, cfg, m, micro, ratio, mode)[1]
+                 and (problem := host_problem(s, cfg, m, micro, ratio))), None)
 
 
 def nothing_fits(cfg: Config, m: Machine) -> str:
@@ -167,7 +165,7 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         _set(cfg, overrides)
         note = text_of(overrides) + " "
     if choice is None:
-        raise ConfigError(f"plan.auto: {why_nothing_fits(shapes, cfg, m)}")
+        raise ConfigError(f"plan.auto: {host_refusal(shapes, cfg, m) or nothing_fits(cfg, m)}")
     configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)

@@ -169,7 +169,6 @@ def test_offloaded_block_inputs_leave_the_gpu(qwen7b):
         assert (on_gpu - offloaded) / ALLOCATOR_SLACK == pytest.approx(checkpointed * 131072 * 2 * 3584)
 
 
-
 def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
     """384k-token rows of P-7B's model with LoRA on one H200: the blocks' inputs (28 x 2.6 GiB) would
     not fit beside the rest; offloaded, each takes a pinned block of 4 GiB (a power of two) on the
