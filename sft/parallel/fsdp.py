@@ -55,9 +55,10 @@ class GradientsInComputePool:
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
+def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
                moe: MoE | None = None, lora: LoRA | None = None) -> None:
-    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head), over
+    """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head: `root`
+    is the model, or the loss that holds its children, sft/training/loss.py:SFTLoss), over
     the mesh's shard ranks (and replicas). MoE experts are split by the handle's placement
     (sft/models/moe.py), dim 0 for the rest; under expert parallelism each block's experts are a unit
     of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py). QLoRA's
@@ -82,9 +83,9 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cf
                     shard_placement_fn=moe.shard_placement(dims.shard_ranks) if moe else None, **options)
     # None lets FSDP keep the root unsharded between forward and backward (an explicit True
     # would free and re-gather the embeddings and lm_head every step).
-    fully_shard(model, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
+    fully_shard(root, reshard_after_forward=None if cfg.reshard_after_forward else False, **options)
     reduce_scatter = None if dims.replicated else GradientsInComputePool()  # stateless: one for all units
-    for module in model.modules():
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             # Plain SUM instead of NCCL's PREMUL_SUM(1): the same result, and gloo supports it.

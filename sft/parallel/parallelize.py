@@ -40,12 +40,15 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 
 
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
-                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: LoRA | None = None) -> None:
+                fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: LoRA | None = None,
+                root: nn.Module | None = None) -> None:
     """context parallelism -> expert parallelism -> float8 -> AC -> compile -> offload -> FSDP on a meta-device
     model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
     precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
     its experts placed by expert parallelism and sharded by its placement); `lora` the handle
-    apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole)."""
+    apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole);
+    `root` the module FSDP's root unit wraps (the loss that holds the model's children; the model itself by
+    default)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe, checkpointed_compiled=compile_blocks and ac.ratio > 0)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
@@ -58,4 +61,4 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
         apply_compile(blocks)
     if ac.offload:  # outside the compiled region: its hooks see what the compiled block keeps
         blocks = apply_host_offload(model, blocks)
-    apply_fsdp(model, blocks, dims, fsdp, moe, lora)
+    apply_fsdp(model if root is None else root, blocks, dims, fsdp, moe, lora)

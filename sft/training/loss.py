@@ -13,14 +13,12 @@ unit, which stays unsharded while the loss runs).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import register_fsdp_forward_method
+from torch import nn
 from transformers import PreTrainedModel
 
 from sft.config import LOGITS_PER_CHUNK
@@ -133,52 +131,58 @@ class LossSetting:
     cp_windows: tuple[int | None, ...] = (None,)  # and the windows its attention layers look back within
 
 
-def _sft_loss(model: PreTrainedModel, setting: LossSetting, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              target_rows: torch.Tensor, target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
-              **cp_layout: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`). Packed rows'
-    document ends reach the layers that carry state (sft/models/gated_deltanet.py); attention
-    keeps documents apart by their positions. Under context parallelism the layers that carry state
-    run the whole rows (`RowParts`)."""
-    ends = None
-    if document_ends is not None and setting.document_ends:
-        on_host = torch.tensor(document_ends)
-        ends = DocumentEnds(on_host, to_device(on_host, input_ids.device))
-    if cp_layout:
-        extra = {"cp_masks": attention_masks(setting.cp_windows, **cp_layout),
-                 CP_ROWS: RowParts(setting.cp_group, cp_layout["key_index"].argsort(), cp_layout["query_index"], ends)}
-    else:
-        extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
-    hidden = decoder(model)[1](input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                               **extra).last_hidden_state
-    weight = model.get_output_embeddings().weight
-    if setting.logits.vocab is not None:
-        weight = weight[: setting.logits.vocab]
-    args = (hidden.flatten(0, 1).index_select(0, target_rows), weight, target_ids)
-    if torch.is_grad_enabled():
-        return LinearCrossEntropy.apply(*args, setting.logits)
-    return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=setting.logits)[0]
+class SFTLoss(nn.Module):
+    """The fused loss of a model, `loss(**loss_inputs(batch))`: the summed cross-entropy over the
+    supervised tokens. It holds the model's own children under their own names (the same
+    parameters, the same names), so it is FSDP's root unit (sft/parallel/fsdp.py): FSDP gathers the
+    root's parameters (embeddings, final norm, lm_head) around a forward of its root module, and this
+    forward is the loss. What the loss knows of the model is its `LossSetting`.
 
-
-SFTLoss = Callable[..., torch.Tensor]  # loss(**loss_inputs(batch)) -> the summed cross-entropy
-
-
-def attach_sft_loss(model: PreTrainedModel, head: Logits | None = None, document_ends: bool = False,
-                    dims: ParallelDims | None = None) -> SFTLoss:
-    """The fused loss of the (FSDP-sharded) model: `loss(**loss_inputs(batch))`. `head`: what its
-    head does (`Logits.of`, checked before the model was sharded); `document_ends`: its layers restart
-    per packed document (`check_packing`); `dims`: the mesh, for context parallelism.
-
-    FSDP gathers the root unit's parameters (embeddings, final norm, lm_head) only around a forward
-    method of the model, which its public API registers by name: `model.sft_loss` is that one
-    attribute. What the loss knows lives in its `LossSetting`, not on the model.
+    Packed rows' document ends reach the layers that carry state (sft/models/gated_deltanet.py);
+    attention keeps documents apart by their positions. Under context parallelism the layers that
+    carry state run the whole rows (`RowParts`).
     """
-    cp = dims is not None and dims.cp_enabled
-    setting = LossSetting(head or Logits.of(model), document_ends, dims.cp_group_name if cp else None,
-                          attention_windows(model.config) if cp else (None,))
-    model.sft_loss = functools.partial(_sft_loss, model, setting)
-    register_fsdp_forward_method(model, "sft_loss")
-    return model.sft_loss
+
+    def __init__(self, model: PreTrainedModel, head: Logits | None = None, document_ends: bool = False,
+                 dims: ParallelDims | None = None):
+        """`head`: what the model's head does (`Logits.of`, checked before the model was sharded);
+        `document_ends`: its layers restart per packed document (`check_packing`); `dims`: the mesh,
+        for context parallelism."""
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, param in model.named_parameters(recurse=False):  # held by the model itself (rare)
+            self.register_parameter(name, param)
+        self.decoder_name = decoder(model)[0]
+        self.head_name = next(name for name, module in model.named_modules()
+                              if module is model.get_output_embeddings())
+        cp = dims is not None and dims.cp_enabled
+        self.setting = LossSetting(head or Logits.of(model), document_ends, dims.cp_group_name if cp else None,
+                                   attention_windows(model.config) if cp else (None,))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
+                target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
+                **cp_layout: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
+        setting, ends = self.setting, None
+        if document_ends is not None and setting.document_ends:
+            on_host = torch.tensor(document_ends)
+            ends = DocumentEnds(on_host, to_device(on_host, input_ids.device))
+        if cp_layout:
+            extra = {"cp_masks": attention_masks(setting.cp_windows, **cp_layout),
+                     CP_ROWS: RowParts(setting.cp_group, cp_layout["key_index"].argsort(), cp_layout["query_index"],
+                                       ends)}
+        else:
+            extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
+        hidden = self.get_submodule(self.decoder_name)(input_ids=input_ids, position_ids=position_ids,
+                                                       use_cache=False, **extra).last_hidden_state
+        weight = self.get_submodule(self.head_name).weight
+        if setting.logits.vocab is not None:
+            weight = weight[: setting.logits.vocab]
+        args = (hidden.flatten(0, 1).index_select(0, target_rows), weight, target_ids)
+        if torch.is_grad_enabled():
+            return LinearCrossEntropy.apply(*args, setting.logits)
+        return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=setting.logits)[0]
 
 
 def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
@@ -188,7 +192,7 @@ def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.T
     token count), both still on the device: nothing here makes the host wait for the GPU. A
     mixture-of-experts model's load-balancing term (its MoE handle, sft/models/moe.py) joins the
     loss inside its blocks."""
-    model, moe = built.model, built.moe
+    moe = built.moe
     inputs = [loss_inputs(b, dims) for b in micro_batches]
     # The real tokens of this rank's rows (for MoE), of its share of them under context parallelism.
     real = [rank_share(b["real_tokens"].float(), dims) if dims is not None and dims.cp_enabled else b["real_tokens"]
@@ -205,7 +209,7 @@ def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.T
     ce_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, batch in enumerate(inputs):
         if not sync_each_microbatch:  # FSDP2's no_sync: reduce only after the last micro-batch
-            model.set_requires_gradient_sync(i == len(inputs) - 1)
+            built.loss.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
             moe.begin_micro_batch(to_device(real[i], device))
         loss = built.loss(**on_device(batch, device))

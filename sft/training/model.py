@@ -1,9 +1,9 @@
 """The model as a run trains it, built in the fixed order: transformers' architecture on the meta
 device -> causal SDPA where every row is one sequence -> our MoE blocks -> LoRA adapters -> the
-master weights' dtype -> parallelize (context and expert parallelism, float8, activation
-checkpointing, compile, FSDP2: sft/parallel/parallelize.py) -> materialised shard by shard, so no
-rank ever holds the full weights -> the fused loss attached. The weights come after
-(Checkpointer.restore).
+master weights' dtype -> the fused loss, which holds the model's children (FSDP's root unit) ->
+parallelize (context and expert parallelism, float8, activation checkpointing, compile, FSDP2:
+sft/parallel/parallelize.py) -> materialised shard by shard, so no rank ever holds the full
+weights. The weights come after (Checkpointer.restore).
 
 train.py and the distributed tests' worker both build it here, so the tested recipe is the trained one.
 """
@@ -25,7 +25,7 @@ from sft.models.moe import MoE, apply_moe
 from sft.models.packing import check_packing
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
-from sft.training.loss import SFTLoss, attach_sft_loss
+from sft.training.loss import SFTLoss
 from sft.training.optim import apply_master_dtype
 
 
@@ -34,7 +34,7 @@ class TrainingModel:
     model: PreTrainedModel  # sharded, materialised, its weights not yet loaded
     moe: MoE | None  # the MoE handle (sft/models/moe.py); None for a dense model
     lora: LoRA | None  # the LoRA handle (sft/adapters/lora.py); None without LoRA
-    loss: SFTLoss  # loss(**loss_inputs(batch)): the summed cross-entropy (sft/training/loss.py)
+    loss: SFTLoss  # loss(**loss_inputs(batch)): the summed cross-entropy; FSDP's root unit (sft/training/loss.py)
 
 
 def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
@@ -60,8 +60,9 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
         log0(lora.summary)
     apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
     buffers = real_buffers(model)
-    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora)
+    # the fused lm_head + cross-entropy, holding the model's children: FSDP's root unit
+    loss = SFTLoss(model, head, document_ends, dims)
+    parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora, loss)
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
-    loss = attach_sft_loss(model, head, document_ends, dims)  # the fused lm_head + cross-entropy
     model.train()
     return TrainingModel(model, moe, lora, loss)

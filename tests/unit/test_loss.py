@@ -113,12 +113,12 @@ def test_the_head_scales_and_truncates_the_logits_as_the_model_s_forward_does():
     from transformers import AutoModelForCausalLM
 
     from helpers import TINY, tiny_config
-    from sft.training.loss import attach_sft_loss, loss_inputs
+    from sft.training.loss import SFTLoss, loss_inputs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("inkling_text", unpadded_vocab_size=TINY["vocab_size"] - 9,
                                                          logits_mup_width_multiplier=3.0))
-    loss = attach_sft_loss(model)
+    loss = SFTLoss(model)
     ids = torch.randint(3, TINY["vocab_size"] - 9, (2, 24))
     batch = {"input_ids": ids, "position_ids": torch.arange(24).expand(2, 24), "labels": ids.clone()}
     inputs = loss_inputs(batch)

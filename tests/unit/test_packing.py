@@ -16,7 +16,7 @@ from helpers import DEMO_MODEL, synthetic_global_batch
 from sft.data.collate import collate, collate_packed
 from sft.config import ModelConfig
 from sft.data.batches import pack_best_fit
-from sft.training.loss import attach_sft_loss, loss_inputs
+from sft.training.loss import SFTLoss, loss_inputs
 from sft.models.build import build_meta_model, materialize, real_buffers
 from sft.hub.weights import initial_weights, load_weights
 
@@ -28,7 +28,7 @@ def model():
     materialize(m, real_buffers(m), torch.device("cpu"))
     load_weights(m, initial_weights(cfg, 0, m), torch.device("cpu"))
     m.eval()
-    return m, attach_sft_loss(m)
+    return m, SFTLoss(m)
 
 
 def test_document_inside_a_pack_sees_only_itself(model):
