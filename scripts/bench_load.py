@@ -11,8 +11,9 @@ Both sides load bf16 onto `--device`; the page cache is warmed by a first read o
 repeat checks that each of our loads (one per --threads) loaded what transformers loads, bit for bit.
 
 --dcp DIR: then the same weights saved once as a torch.distributed.checkpoint (what a resume reads,
-here in bf16: the same bytes as the files) and read back into the model as a resume does (`dcp.load`,
-`set_model_state_dict`), timed each repeat and checked bit for bit.
+here in bf16: the same bytes as the files) and read back into the model as a resume does
+(`read_checkpoint`, `set_model_state_dict`), next to torch's own reader (`dcp.load`), timed each repeat
+and checked bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from sft.checkpoint.reader import read_checkpoint
 from sft.config import ModelConfig
 from sft.models.build import build_meta_model, materialize, real_buffers
 from sft.hub import weights as weights_module
@@ -115,19 +117,22 @@ def time_dcp_resume(args: argparse.Namespace, device: torch.device, size: int, s
         with file.open("rb") as stream:
             while stream.read(1 << 28):
                 pass
+    readers = {"our reader (read_checkpoint)": lambda state: read_checkpoint(state, args.dcp, no_dist=True),
+               "torch's reader (dcp.load)": lambda state: dcp.load(state, checkpoint_id=args.dcp, no_dist=True)}
     for _ in range(args.repeats):
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                tensor.zero_()
-        t0 = time.perf_counter()
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=args.dcp, no_dist=True)
-        set_model_state_dict(model, state["model"])
-        synchronize()
-        took = time.perf_counter() - t0
-        assert all(torch.equal(expected[name], tensor) for name, tensor in model.state_dict().items())
-        print(f"{size / 1e9:.1f} GB on {args.device}: DCP resume {took:.2f} s ({size / 1e9 / took:.2f} GB/s)",
-              flush=True)
+        for reader, read in readers.items():
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    tensor.zero_()
+            t0 = time.perf_counter()
+            state = {"model": get_model_state_dict(model)}
+            read(state)
+            set_model_state_dict(model, state["model"])
+            synchronize()
+            took = time.perf_counter() - t0
+            assert all(torch.equal(expected[name], tensor) for name, tensor in model.state_dict().items())
+            print(f"{size / 1e9:.1f} GB on {args.device}: DCP resume, {reader}, {took:.2f} s "
+                  f"({size / 1e9 / took:.2f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":

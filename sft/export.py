@@ -30,6 +30,7 @@ from sft import atomic
 from sft.adapters.peft_format import merged, write_adapter
 from sft.checkpoint.layout import (CONFIG, HF_FILES, TRAIN_STATE, CheckpointError, checkpoint_problem, content_problem,
                                    read_train_state)
+from sft.checkpoint.reader import read_checkpoint
 from sft.config import DTYPES, Config, LoRAConfig, ModelConfig, is_local_path, read_resolved_config
 from sft.errors import UserError, run_command
 from sft.hub.identity import base_changed, base_identity
@@ -52,7 +53,7 @@ def _tensors(checkpoint: Path, shapes: dict[str, torch.Size]) -> Iterator[tuple[
             size += group[name].numel() * 4
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": group}, checkpoint_id=checkpoint, no_dist=True)
+            read_checkpoint({"model": group}, checkpoint, no_dist=True)
         yield from group.items()
 
 

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -23,6 +22,7 @@ from sft.checkpoint.commit import SAVE_FAILURES, AllRanksCommit, write_shards
 from sft.checkpoint.layout import (CONFIG, HF_FILES, LATEST, SCHEDULER, TRAIN_STATE, CheckpointError,
                                    committed_checkpoints, read_train_state, rng_file, shape_mismatches)
 from sft.checkpoint.model_weights import load_model_weights
+from sft.checkpoint.reader import read_checkpoint
 from sft.checkpoint.resume import check_room, resume_point
 from sft.config import Config, to_yaml
 from sft.distributed import DistEnv, decided_on_rank0, log0
@@ -98,7 +98,7 @@ class Checkpointer:
                                       f"{wrong[0]}); resume with the model it was trained from, or set "
                                       "checkpoint.resume=none")
         decided_on_rank0(check)
-        dcp.load(state, checkpoint_id=path)
+        read_checkpoint(state, path)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=not self._lora))
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(torch.load(path / SCHEDULER, weights_only=False))

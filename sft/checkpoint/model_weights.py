@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from sft.checkpoint.commit import AllRanksCommit
 from sft.checkpoint.layout import checkpoint_problem
+from sft.checkpoint.reader import read_checkpoint
 from sft.config import Config
 from sft.distributed import DistEnv, decided_on_rank0
 from sft.hub.layout import is_adapter
@@ -31,7 +32,7 @@ def load_model_weights(cfg: Config, model: nn.Module, env: DistEnv) -> tuple[str
     prepared = Path(cfg.model.prepared_cache) if cfg.model.prepared_cache else None
     if prepared is not None and decided_on_rank0(lambda: checkpoint_problem(prepared, ())) is None:
         state = {"model": _base_state(model)}
-        dcp.load(state, checkpoint_id=prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
+        read_checkpoint(state, prepared)  # cast to each parameter's dtype (a LoRA base: bf16)
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         return f"loaded the prepared-model cache {prepared}", prepared
     load_weights(model, initial_weights(cfg.model, cfg.train.seed, model), env.device)

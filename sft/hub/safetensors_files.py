@@ -99,7 +99,7 @@ class SafetensorsFiles:
                 self.entries[name] = entry
         self._descriptors: dict[str, int] | None = None  # the files `reading` keeps open
         self._lock = threading.Lock()
-        self._staging = threading.local()  # each thread's pinned buffers
+        self._reads = PositionalReads()
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -143,7 +143,7 @@ class SafetensorsFiles:
         row_bytes = math.prod(entry.shape[1:]) * dtype.itemsize
         tensor = torch.empty((end - begin, *entry.shape[1:]) if entry.shape else (), dtype=dtype, device=device)
         with self._descriptor(entry.file) as descriptor:
-            self._read_into(descriptor, entry, entry.begin + begin * row_bytes, tensor)
+            self._reads.into(descriptor, entry.begin + begin * row_bytes, tensor, entry.file)
         if rows:  # the rows read; the rest of the index on them
             return tensor[(slice(None), *index[1:])] if index[1:] else tensor
         return tensor[index] if index else tensor
@@ -155,14 +155,23 @@ class SafetensorsFiles:
             _read_exactly(descriptor, memoryview(into), offset, self.entries[name].file)
         return bytes(into)
 
-    def _read_into(self, descriptor: int, entry: Entry, offset: int, tensor: torch.Tensor) -> None:
+
+class PositionalReads:
+    """Bytes of an open file into a tensor with positional reads: on the CPU straight into it, onto a
+    GPU through the calling thread's pinned staging buffers (several threads read at once)."""
+
+    def __init__(self):
+        self._staging = threading.local()  # each thread's pinned buffers
+
+    def into(self, descriptor: int, offset: int, tensor: torch.Tensor, file: str) -> None:
+        """The file's bytes from `offset` into the contiguous `tensor` (`file` names it in errors)."""
         flat = tensor.reshape(-1).view(torch.uint8)
         if tensor.device.type == "cpu":
-            _read_exactly(descriptor, memoryview(flat.numpy()), offset, entry.file)
+            _read_exactly(descriptor, memoryview(flat.numpy()), offset, file)
             return
         if not hasattr(self._staging, "pinned"):  # this thread's
             self._staging.pinned = _PinnedStaging(tensor.device)
-        self._staging.pinned.copy(descriptor, offset, flat, entry.file)
+        self._staging.pinned.copy(descriptor, offset, flat, file)
 
 
 class _PinnedStaging:
