@@ -18,7 +18,7 @@ from sft.plan.host import host_gib_per_node, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
                              predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, host_refusal, nothing_fits,
-                             roomier_layout, smallest_cp, suggest, text_of)
+                             offload_choice, roomier_layout, smallest_cp, suggest, text_of)
 
 # Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -80,9 +80,16 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         _, _, micro, accum = choice
         global_batch = ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {global_batch})")
+    elif offload := offload_choice(s, cfg, m):
+        offload_cfg, offload_setting = offload
+        ratio, mode, micro, _ = offload_setting
+        lines.append(f"it fits with: ac.offload=true {as_overrides(*offload_setting)} "
+                     f"({predict_gib(s, offload_cfg, m.gpus, micro, ratio, mode):.1f} GiB per GPU and "
+                     f"{host_gib_per_node(s, offload_cfg, m, micro, ratio):.1f} GiB of host memory per node "
+                     "predicted; plan.auto chooses it)")
     else:
         host = host_refusal(s, cfg, m)
-        lines.append(host or nothing_fits(cfg, m))
+        lines.append(host or nothing_fits(s, cfg, m))
         # lighter state helps the GPUs only, not a host that cannot hold what is offloaded
         if not host and (roomier := roomier_layout(s, cfg, m)):
             roomier_cfg, roomier_choice, overrides = roomier

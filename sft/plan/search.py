@@ -84,6 +84,19 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
     return None
 
 
+def offload_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[float, str, int, int]] | None:
+    """Where nothing fits `cfg`'s GPUs with the blocks' inputs on them: `cfg` with ac.offload on and
+    suggest's choice there, if one fits the GPUs and the host; else None. Before a larger cp.degree:
+    the same numerics, rows and global batch (a cp group trains one row on several GPUs), for 3% of
+    the step at 32k tokens on one H200 (docs/long-context.md)."""
+    # every block checkpointed to pass the config's checks (suggest chooses the ratio, never 0 with offload)
+    candidate = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
+    if cfg.ac.offload or range_checks(candidate, local_checks=False):
+        return None
+    choice = suggest(s, candidate, m)
+    return (candidate, choice) if choice else None
+
+
 def host_refusal(s: Shapes, cfg: Config, m: Machine) -> str | None:
     """Why the host, not the GPUs, left `suggest` with nothing: it cannot hold the config's setting,
     or a setting the GPUs would take (ac.offload's inputs grow with the micro-batch and the ratio)."""
@@ -94,11 +107,19 @@ def host_refusal(s: Shapes, cfg: Config, m: Machine) -> str | None:
                  and (problem := host_problem(s, cfg, m, micro, ratio))), None)
 
 
-def nothing_fits(cfg: Config, m: Machine) -> str:
+def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
+    """What to change where no setting fits the GPUs; where ac.offload would fit them but not the host, the
+    host memory it would need."""
     offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
         "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ")
+    offloaded = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True))
+    needs = [] if cfg.ac.offload else [host_gib_per_node(s, offloaded, m, micro, ratio) for micro in MICRO_BATCHES
+                                       for ratio, mode in AC_SETTINGS
+                                       if ratio > 0 and predict_fit(s, offloaded, m, micro, ratio, mode)[1]]
+    host = (f"; ac.offload=true would fit the GPUs with {min(needs):.0f} GiB of host memory per node "
+            f"({m.host_mem_gib:.0f} GiB here)") if needs else ""
     return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
-            "cp.degree or a shorter data.max_seq_len")
+            f"cp.degree or a shorter data.max_seq_len{host}")
 
 
 def _set(cfg: Config, overrides: dict) -> None:
@@ -146,13 +167,15 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; cp.degree where
-    rows do not fit at the configured one; where still nothing fits, expert parallelism (MoE) and,
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; ac.offload, then
+    cp.degree, where rows do not fit at the configured one; where still nothing fits, expert parallelism (MoE) and,
     if plan.allow_lean_state, the optimizer's bf16 state (roomier_layout); return a log line.
     Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
     shapes = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     m = Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
+    if choice is None and (offload := offload_choice(shapes, cfg, m)):
+        cfg.ac.offload, choice, note = True, offload[1], "ac.offload=true "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel
@@ -165,7 +188,7 @@ def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: fl
         _set(cfg, overrides)
         note = text_of(overrides) + " "
     if choice is None:
-        raise ConfigError(f"plan.auto: {host_refusal(shapes, cfg, m) or nothing_fits(cfg, m)}")
+        raise ConfigError(f"plan.auto: {host_refusal(shapes, cfg, m) or nothing_fits(shapes, cfg, m)}")
     configured = (cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     cfg.ac.ratio, cfg.ac.mode, cfg.train.micro_batch_size, cfg.train.grad_accum_steps = choice
     predicted = predict_gib(shapes, cfg, gpus, cfg.train.micro_batch_size, cfg.ac.ratio, cfg.ac.mode)

@@ -178,7 +178,10 @@ def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
                         "--host-mem", str(host), "data.max_seq_len=393216", "train.micro_batch_size=1",
                         "lora.rank=16", f"ac.ratio={ratio}", f"ac.offload={offload}")[1]
 
-    assert "this config (micro-batch 1, ac.ratio 1): 161.8 GiB per GPU predicted — does NOT fit" in plan(1, 128, "false")
+    out = plan(1, 128, "false")
+    assert "this config (micro-batch 1, ac.ratio 1): 161.8 GiB per GPU predicted — does NOT fit" in out
+    assert ("it fits with: ac.offload=true ac.ratio=1 ac.mode=blocks train.micro_batch_size=1 train.grad_accum_steps=1 "
+            "(84.6 GiB per GPU and 114.0 GiB of host memory per node predicted; plan.auto chooses it)") in out
     out = plan(1, 128, "true")
     assert "this config (micro-batch 1, ac.ratio 1): 84.6 GiB per GPU predicted — fits" in out
     assert ("host: 114.0 GiB per node predicted (1 GPUs per node x 114.0 GiB: 112.0 GiB of the checkpointed blocks' "
@@ -233,20 +236,35 @@ def test_planner_never_splits_rows_of_a_model_context_parallelism_refuses(monkey
     refused = Shapes.of(build_meta_model(cfg.model))
     assert not refused.context_parallel
     assert smallest_cp(refused, cfg, Machine.of(8, 79.1, 1000)) is None
-    with pytest.raises(ConfigError, match="nothing fits"):
-        apply_auto_plan(cfg, gpus=8, gpu_mem_gib=79.1, host_mem_gib=1000)
+    with pytest.raises(ConfigError, match="nothing fits .* ac.offload=true would fit the GPUs with 272 GiB of host "
+                                          r"memory per node \(64 GiB here\)"):
+        apply_auto_plan(cfg, gpus=8, gpu_mem_gib=79.1, host_mem_gib=64)
 
 
-def test_auto_plan_splits_rows_that_do_not_fit(tmp_path):
-    """64k tokens per row on 2 x 80 GB: nothing fits at cp 1, so plan.auto takes cp 2 (and ac 1)."""
+# Rows that fit no setting at the configured cp.degree: plan.auto keeps the blocks' inputs in host memory
+# where the node holds them (the same rows, global batch and numerics), else splits the rows over a cp
+# group. (GPUs, GiB per GPU, host GiB per node, tokens per row, LoRA rank) -> (ac.offload, cp.degree, ac.ratio),
+# and the log line's start.
+AUTO_LONG_ROWS = [
+    (2, 79.1, 1000, 65536, 0, (True, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
+    (2, 79.1, 16, 65536, 0, (False, 2, 1.0), "plan.auto: cp.degree=2 ac.ratio=1 "),
+    # one H200, P-7B's model with LoRA on 384k-token rows: 161.8 GiB without offload, 84.6 with (114 GiB of host)
+    (1, 139.8, 128, 393216, 16, (True, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
+    (1, 139.8, 32768, 4096 * 2, 16, (False, 1, 0.0), "plan.auto: ac.ratio=0 "),  # fits without: stays off
+]
+
+
+@pytest.mark.parametrize("gpus, gib, host, tokens, rank, chosen, line", AUTO_LONG_ROWS, ids=lambda x: str(x))
+def test_auto_plan_offloads_or_splits_rows_that_do_not_fit(gpus, gib, host, tokens, rank, chosen, line):
     from sft.config import load_config
     from sft.plan import apply_auto_plan
 
-    cfg = load_config(REPO / "configs/bench/p7b.yaml", ["data.path=unused.parquet", "data.max_seq_len=65536",
-                                                        "train.micro_batch_size=1"], local_checks=False)
-    line = apply_auto_plan(cfg, gpus=2, gpu_mem_gib=79.1, host_mem_gib=1000)
-    assert (cfg.cp.degree, cfg.ac.ratio, cfg.train.micro_batch_size) == (2, 1.0, 1)
-    assert line.startswith("plan.auto: cp.degree=2 ac.ratio=1 ")
+    cfg = load_config(REPO / "configs/bench/p7b.yaml", ["data.path=unused.parquet", f"data.max_seq_len={tokens}",
+                                                        "train.micro_batch_size=1", f"lora.rank={rank}"],
+                      local_checks=False)
+    said = apply_auto_plan(cfg, gpus=gpus, gpu_mem_gib=gib, host_mem_gib=host)
+    assert (cfg.ac.offload, cfg.cp.degree, cfg.ac.ratio) == chosen
+    assert said.startswith(line)
 
 
 # plan.auto's choice, (ac.ratio, ac.mode, micro-batch, grad-acc), for P-7B (configs/bench/p7b.yaml,
