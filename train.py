@@ -28,12 +28,12 @@ from sft.compile_cache import use_compile_cache
 from sft.config import check_machine, parse_args
 from sft.data.batches import MicroBatches, TrainBatches
 from sft.data.prepare import load_sft_data
-from sft.distributed import init_distributed, log0, rank0_first, shut_down
+from sft.distributed import init_distributed, log0, rank0_first, shut_down, smallest_over_ranks
 from sft.errors import run_command
 from sft.hub.tokenizer import check_vocabulary, load_tokenizer
 from sft.parallel.float8 import precompute_scales_after_each_step
 from sft.parallel.mesh import ParallelDims
-from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_memory_gib
+from sft.plan import apply_auto_plan, check_fits, explain_out_of_memory, gpu_memory_gib, this_machine_mem_gib
 from sft.profiling import StepProfiler
 from sft.training.evaluate import Evaluations
 from sft.training.loss import forward_backward
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     rng.seed(cfg.train.seed)  # python, numpy and torch
     gpu_mem_gib = gpu_memory_gib(cfg, env.device)
     if cfg.plan.auto and gpu_mem_gib:  # before anything is saved, so config.yaml records the choice
-        log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib)))
+        # every rank plans for the job's smallest GPU and host, so that all of them choose alike
+        gpu_mem_gib, host_mem_gib = smallest_over_ranks([gpu_mem_gib, this_machine_mem_gib()], env.device)
+        log0(rank0_first(lambda: apply_auto_plan(cfg, env.world_size, gpu_mem_gib, host_mem_gib)))
     # One named mesh for every axis: FSDP, context and expert parallelism, the data-parallel ranks.
     dims = ParallelDims.of(cfg, env.world_size, env.rank).build(env.device.type)
     # The run directory is locked and checked, but nothing in it changes until everything below

@@ -179,6 +179,13 @@ def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> 
     return t
 
 
+def smallest_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each of a few numbers' smallest value over all ranks (waits for the result)."""
+    t = to_device(torch.as_tensor(values, dtype=torch.float64), device).clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 T = TypeVar("T")
 
 

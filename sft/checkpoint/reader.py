@@ -17,14 +17,15 @@ import io
 import os
 import pickle
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
+from sft.checkpoint.layout import CheckpointError
 from sft.hub.safetensors_files import PositionalReads
 from sft.hub.weights import READ_THREADS
 
@@ -58,15 +59,23 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _record_data_offset(saved: torch.Tensor) -> int | None:
+    """Where torch.load, on the meta device, found a record's data (from the record's start); None
+    on a torch that does not say."""
+    return getattr(saved.untyped_storage(), "_checkpoint_offset", None)
+
+
 def _saved_layout(stream: io.BufferedReader, start: int, size: int, item: ReadItem) -> tuple[int, torch.Tensor] | None:
     """(the file offset of the data `item` reads, the saved tensor's slice it reads, on the meta device),
-    or None where the record is not one contiguous run this can read directly."""
+    or None where the record is not one contiguous run of a dense tensor's data this can read directly."""
     try:
         saved = torch.load(_Window(stream, start, size), map_location="meta", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError):  # not a torch.save record (another serialisation)
         return None
-    data = getattr(saved.untyped_storage(), "_checkpoint_offset", None)  # where torch.load found it
-    if not isinstance(saved, torch.Tensor) or data is None:
+    if not isinstance(saved, torch.Tensor) or saved.layout != torch.strided:
+        return None
+    data = _record_data_offset(saved)
+    if data is None:
         return None
     for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
         saved = saved.narrow(dim, offset, length)
@@ -82,7 +91,7 @@ class CheckpointReader(dcp.FileSystemReader):
         super().__init__(path)
         self._reads = PositionalReads()
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
@@ -92,30 +101,39 @@ class CheckpointReader(dcp.FileSystemReader):
                 file = str(Path(self.path) / relative_path)
                 items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
                 with open(file, "rb") as stream:
-                    reads = []
-                    for item in items:
-                        info = self.storage_data[item.storage_index]
-                        found = None
-                        if item.type != LoadItemType.BYTE_IO and not info.transform_descriptors:
-                            found = _saved_layout(stream, info.offset, info.length, item)
-                        if found is None:
-                            elsewhere.append(item)
-                            continue
-                        offset, saved = found
-                        target = planner.resolve_tensor(item).detach()
-                        if target.shape != saved.shape:
-                            raise AssertionError(f"{item.storage_index}: {file} holds {tuple(saved.shape)} where "
-                                                 f"{tuple(target.shape)} is read")
-                        reads.append((item, target, pool.submit(self._read, stream.fileno(), offset, saved, target,
-                                                                file)))
-                    for item, target, read in reads:
-                        read.result()
-                        planner.commit_tensor(item, target)
+                    reads: list[tuple[ReadItem, torch.Tensor, Future]] = []
+                    try:
+                        for item in items:
+                            if (read := self._submit(pool, stream, item, planner, file)) is None:
+                                elsewhere.append(item)
+                            else:
+                                reads.append(read)
+                    finally:  # every read submitted is done (or failed) before its file closes
+                        wait([future for _, _, future in reads])
+                for item, target, future in reads:
+                    future.result()
+                    planner.commit_tensor(item, target)
         if elsewhere:
             super().read_data(LoadPlan(elsewhere), planner).wait()
-        done: Future = Future()
+        done: TorchFuture = TorchFuture()
         done.set_result(None)
         return done
+
+    def _submit(self, pool: ThreadPoolExecutor, stream: io.BufferedReader, item: ReadItem, planner: LoadPlanner,
+                file: str) -> tuple[ReadItem, torch.Tensor, Future] | None:
+        """The read of `item` straight into its destination, submitted to `pool`; None for torch's reader."""
+        info = self.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            return None
+        found = _saved_layout(stream, info.offset, info.length, item)
+        if found is None:
+            return None
+        offset, saved = found
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != saved.shape:
+            raise CheckpointError(f"{file}: {item.storage_index.fqn} is saved as {tuple(saved.shape)} where "
+                                  f"{tuple(target.shape)} is read; resume with the model it was trained from")
+        return item, target, pool.submit(self._read, stream.fileno(), offset, saved, target, file)
 
     def _read(self, descriptor: int, offset: int, saved: torch.Tensor, target: torch.Tensor, file: str) -> None:
         if target.dtype == saved.dtype and target.is_contiguous():

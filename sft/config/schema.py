@@ -356,8 +356,8 @@ class PlanConfig:
     """On GPUs, let the memory planner (python -m sft.plan) choose ac.ratio, ac.mode,
     train.micro_batch_size and train.grad_accum_steps, keeping the global batch: the least
     recomputation that fits with room to spare for the allocator (sft/plan/search.py:suggest);
-    where rows fit no setting, ac.offload (if the node's host memory holds the blocks' inputs),
-    then a larger cp.degree."""
+    where nothing fits at the configured cp.degree, ac.offload (if the node's host memory holds the
+    blocks' inputs), then a larger cp.degree."""
     gpu_mem_gib: float | None = None
     """Memory per GPU to plan for (default: the GPU's total memory). Set, it also lets plan.auto
     choose without a GPU (e.g. to see its choice on a CPU machine)."""

@@ -12,11 +12,12 @@ shapes on the meta device), never its GPU side: FSDP's wrapping, flex attention,
 
 from sft.plan.cli import main
 from sft.plan.host import HOST_PROCESS_GIB, host_bytes_per_rank, host_gib_per_node
-from sft.plan.memory import ALLOCATOR_SLACK, GIB, Machine, Setting, Shapes, peak_bytes, predict_gib, usable_fraction
+from sft.plan.memory import (ALLOCATOR_SLACK, GIB, Machine, Setting, Shapes, peak_bytes, predict_gib,
+                             this_machine_mem_gib, usable_fraction)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, MODES, RATIOS, apply_auto_plan, check_fits,
                              explain_out_of_memory, gpu_memory_gib, smallest_cp, suggest)
 
 __all__ = ["AC_SETTINGS", "ALLOCATOR_SLACK", "GIB", "HOST_PROCESS_GIB", "MICRO_BATCHES", "MODES", "RATIOS", "Machine",
            "Setting", "Shapes", "apply_auto_plan", "check_fits", "explain_out_of_memory", "gpu_memory_gib",
            "host_bytes_per_rank", "host_gib_per_node", "main", "peak_bytes", "predict_gib", "smallest_cp", "suggest",
-           "usable_fraction"]
+           "this_machine_mem_gib", "usable_fraction"]

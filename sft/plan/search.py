@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 
@@ -85,8 +86,9 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
 
 
 def offload_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[float, str, int, int]] | None:
-    """Where nothing fits `cfg`'s GPUs with the blocks' inputs on them: `cfg` with ac.offload on and
-    suggest's choice there, if one fits the GPUs and the host; else None. Before a larger cp.degree:
+    """Where nothing fits `cfg`'s GPUs (at its cp.degree) with the blocks' inputs on them: `cfg` with
+    ac.offload on and suggest's choice there, if one fits the GPUs and the host; else None. Before a
+    larger cp.degree, expert parallelism or leaner state:
     the same numerics, rows and global batch (a cp group trains one row on several GPUs), for 3% of
     the step at 32k tokens on one H200 (docs/long-context.md)."""
     # every block checkpointed to pass the config's checks (suggest chooses the ratio, never 0 with offload)
@@ -112,12 +114,11 @@ def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
     host memory it would need."""
     offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
         "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ")
-    offloaded = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True))
-    needs = [] if cfg.ac.offload else [host_gib_per_node(s, offloaded, m, micro, ratio) for micro in MICRO_BATCHES
-                                       for ratio, mode in AC_SETTINGS
-                                       if ratio > 0 and predict_fit(s, offloaded, m, micro, ratio, mode)[1]]
-    host = (f"; ac.offload=true would fit the GPUs with {min(needs):.0f} GiB of host memory per node "
-            f"({m.host_mem_gib:.0f} GiB here)") if needs else ""
+    offloaded = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
+    # what plan.auto would choose with ac.offload on a node of unbounded host memory, and what it needs there
+    choice = None if cfg.ac.offload else suggest(s, offloaded, dataclasses.replace(m, host_mem_gib=math.inf))
+    host = (f"; ac.offload=true would fit the GPUs with {host_gib_per_node(s, offloaded, m, choice[2], choice[0]):.0f} "
+            f"GiB of host memory per node ({m.host_mem_gib:.0f} GiB here)") if choice else ""
     return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
             f"cp.degree or a shorter data.max_seq_len{host}")
 

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
+from sft.errors import UserError
 from sft.models.architecture import Logits, decoder
 from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
 from sft.parallel.context_parallel import attention_masks, attention_windows, rank_share, shard_rows
@@ -124,7 +125,7 @@ def on_device(inputs: dict[str, torch.Tensor | tuple[int, ...]], device: torch.d
 
 @dataclass(frozen=True)
 class LossSetting:
-    """What the fused loss knows of the model it runs on, decided once when it is attached."""
+    """What the fused loss knows of the model it runs on, decided once when it is built."""
     logits: Logits
     document_ends: bool = False  # packed rows' document ends reach its layers that restart per document
     cp_group: str | None = None  # context parallelism: the process group each row is split over
@@ -149,10 +150,12 @@ class SFTLoss(nn.Module):
         `document_ends`: its layers restart per packed document (`check_packing`); `dims`: the mesh,
         for context parallelism."""
         super().__init__()
+        if own := [name for name, _ in model.named_parameters(recurse=False)]:
+            # FSDP would shard them on the loss only (the model object is not among its modules)
+            raise UserError(f"{type(model).__name__}: holds parameters outside its modules ({', '.join(own)}), which "
+                            "the fused loss cannot hold for FSDP; this architecture is not supported")
         for name, child in model.named_children():
             self.add_module(name, child)
-        for name, param in model.named_parameters(recurse=False):  # held by the model itself (rare)
-            self.register_parameter(name, param)
         self.decoder_name = decoder(model)[0]
         self.head_name = next(name for name, module in model.named_modules()
                               if module is model.get_output_embeddings())

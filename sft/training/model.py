@@ -63,6 +63,8 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     # the fused lm_head + cross-entropy, holding the model's children: FSDP's root unit
     loss = SFTLoss(model, head, document_ends, dims)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora, loss)
+    # nothing may have swapped a child of the model since: the loss would run the old one
+    assert dict(loss.named_children()) == dict(model.named_children()), "the loss no longer holds the model's children"
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
     model.train()
     return TrainingModel(model, moe, lora, loss)

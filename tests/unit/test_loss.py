@@ -80,7 +80,7 @@ def test_rows_of_one_sequence_attend_causally_without_transformers_mask_check(mo
     def loss_and_grads():
         model.zero_grad()
         loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
-                     use_cache=False).loss  # as training runs it (sft_loss): no KV cache
+                     use_cache=False).loss  # as training runs it (SFTLoss): no KV cache
         loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -133,3 +133,21 @@ def test_the_head_scales_and_truncates_the_logits_as_the_model_s_forward_does():
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
     torch.testing.assert_close(grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
     assert grad[-9:].abs().max() == 0
+
+
+def test_the_loss_holds_the_model_children_and_refuses_parameters_outside_them():
+    """SFTLoss is FSDP's root unit: it holds the model's children (the same modules, the same parameter
+    names); a parameter the model holds itself would be sharded on the loss only, so it is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import TINY, tiny_config
+    from sft.errors import UserError
+    from sft.training.loss import SFTLoss
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2"))
+    loss = SFTLoss(model)
+    assert dict(loss.named_children()) == dict(model.named_children())
+    assert dict(loss.named_parameters()) == dict(model.named_parameters())
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(TINY["hidden_size"])))
+    with pytest.raises(UserError, match=r"Qwen2ForCausalLM: holds parameters outside its modules \(scale\)"):
+        SFTLoss(model)
