@@ -1,12 +1,7 @@
-"""Memory-safe model construction: the model built on the meta device, and storage for this
-rank's shards once they are sharded.
-
-No rank ever holds a full copy of the weights. The model is built on the meta device in float32
-(so the sharded master weights are float32 from the start, and no whole-model cast is needed);
-buffers such as rotary `inv_freq` stay real and float32 (`parameters_on_meta`). After
-`fully_shard`, `materialize` gives each rank storage for its own shards only, which
-sft/hub/weights.py fills.
-"""
+"""Memory-safe model construction: no rank ever holds a full copy of the weights. The model is built on
+the meta device in float32 (the sharded master weights are float32 from the start: no whole-model cast),
+buffers such as rotary `inv_freq` real (`parameters_on_meta`); after `fully_shard`, `materialize` gives
+each rank storage for its own shards only, which sft/hub/weights.py fills."""
 
 from __future__ import annotations
 

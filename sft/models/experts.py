@@ -3,10 +3,10 @@ through its SwiGLU with `grouped_mm` on the gathered weights, the weighted sum b
 sft/models/moe.py puts `GroupedExperts` on each sparse block's experts; under expert parallelism
 the sorted rows travel to their experts' ranks (sft/parallel/expert_parallel.py).
 
-Group sizes come from `searchsorted` on the device: no host sync, no capacity, no dropped token,
-and every shape depends only on the number of tokens, so a compiled block sees one graph. Where
-the kernel cannot run (float32 weights, e.g. the CPU tests; rows not 16-byte aligned),
-`_per_expert_linear` loops over the experts (a host sync; excluded from compile)."""
+Group sizes come from `searchsorted` on the device: no host sync, no capacity, no dropped token, one
+compiled graph (shapes depend only on the number of tokens). Where the kernel cannot run (float32 weights,
+e.g. the CPU tests; rows not 16-byte aligned), `_per_expert_linear` loops over the experts (a host sync,
+outside compile)."""
 
 from __future__ import annotations
 

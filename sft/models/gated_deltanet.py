@@ -2,30 +2,16 @@
 each packed document restarting their state; the same for Kimi's delta attention (Kimi-Linear), and
 for a short convolution where it is a layer's only state (LFM2's ShortConv).
 
-transformers' Gated DeltaNet layers call two functions of their modeling module, `causal_conv1d_fn`
-and `torch_chunk_gated_delta_rule`. transformers chooses what those run when the module is first
-imported, and where importing flash-linear-attention (fla) fails at that moment it keeps its torch
-references without a word under torch.compile: Qwen3.5-9B on 2 x H200 then spent 1.7 s a step, most of
-it in the reference's per-chunk loop (issue #45). `use_gated_deltanet_kernels` puts these in their
-place instead (`install_gated_deltanet_functions`, once per modeling module), for every model with such
-layers:
-
-* on a GPU with fla installed, fla's kernels: its chunked gated delta rule and its causal
-  convolution (for the activations fla's applies: SiLU or none); a packed row's documents go to both
-  as their ends (`cu_seqlens`), so every document starts from a zero state, as if it had a row of its
-  own;
-* elsewhere (fla is GPU-only) transformers' torch functions; for a packed row the delta rule runs
-  one document at a time and the convolution's taps that reach into the previous document are
-  masked: the CPU path, on which the tests compare packed and unpacked rows.
-
-A call carries the documents' ends in the keyword argument DOCUMENT_ENDS (sft/training/loss.py passes
-them for packed rows of a model whose functions sft/models/packing.py's `check_packing` replaced);
-transformers passes the keyword arguments of the model's call on to both functions. LFM2's short
-convolution layers call the same `causal_conv1d_fn` of their modeling module: it is replaced there too
-(RESTARTING_LAYERS), so that they restart at each document as well. Kimi's delta attention
-layers call that convolution and `chunk_kimi_delta_attention`: for a packed row, on a GPU with fla,
-fla's chunked Kimi delta attention takes the documents as its sequences (`cu_seqlens`), as the delta
-rule above; elsewhere it runs one document at a time through transformers' torch function.
+transformers' layers call functions of their modeling module (`causal_conv1d_fn`,
+`torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`) that it chooses when it first imports the module
+(where importing flash-linear-attention (fla) fails then, its slow torch references, without a word: issue #45).
+`use_gated_deltanet_kernels` puts ours in their place once per modeling module
+(`install_gated_deltanet_functions`): on a GPU with fla, fla's kernels, a packed row's documents given as their
+ends (`cu_seqlens`); elsewhere transformers' torch functions, one document at a time, the convolution's taps
+into the previous document masked (the CPU path the tests compare). A call carries the documents' ends in the
+keyword argument DOCUMENT_ENDS, which transformers passes on from the model's call (the loss passes them for
+packed rows of a model whose functions `check_packing` replaced). What each family runs, and what was measured:
+docs/training.md, "Layers that carry state along the row".
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@ the one table that attention FLOPs (MFU), the maskless causal kernel, packing, c
 and the planner read. A config without layer_types attends in every layer; a kind this table does not
 know counts as attending and as carrying state (packing and context parallelism refuse it, naming it).
 
-Which modules restart their state at each packed document, and through which functions, is
-sft/models/gated_deltanet.py's (RESTARTING_LAYERS: by class name, since configs name those layers
-"linear_attention" or "conv" whatever their mixer)."""
+Which modules restart their state per packed document, and how, is sft/models/gated_deltanet.py's
+(RESTARTING_LAYERS: by class name; configs name them "linear_attention" or "conv" whatever their mixer)."""
 
 from __future__ import annotations
 

@@ -17,10 +17,8 @@ checkpoints and hub files stay the model's:
 * the block (`SparseMoE`) adds the load-balancing loss's gradient without returning it
   (`_AddAuxLossGrad`) and keeps the step's expert loads for the metrics.
 
-Routing is exactly the reference's (softmax, sigmoid with a correction bias, group-limited top-k);
-a sparse block of another form (Llama-4's dense experts) takes the general path: transformers'
-block as it is (docs/moe.md). The start-up line says which path a model takes.
-
+Routing is exactly the reference's; a sparse block of another form (Llama-4's dense experts) takes the
+general path, transformers' block as it is (docs/moe.md; the start-up line says which path).
 `apply_moe` returns the `MoE` handle the recipe passes to whatever needs the experts: parallelize
 (their FSDP placement; the top-k op's outputs saved under every checkpointing policy), the loss (the
 load-balancing term's scale and mask), the metrics (expert loads) and the optimizer (the correction

@@ -3,18 +3,14 @@ layers that carry state along a row restarted at each document.
 
 A packed row holds several documents whose positions restart at 0. transformers' attention keeps
 them apart when the model builds its masks from the position ids (masking_utils finds the
-documents there): most models do; some do not (gpt-oss in transformers 5.24 builds its masks
-without them; older architectures such as BLOOM, OPT, MPT have no such masks). `check_packing`
-asks the model itself (`builds_document_masks`) and refuses the others in one line.
+documents there): most models do. gpt-oss builds its masks without them but takes masks built
+beforehand, which the loss builds from the positions (`Packing.masks`). Older architectures (BLOOM,
+OPT, MPT) have no such masks. `check_packing` asks the model itself and refuses those in one line.
 
-A recurrent or convolutional layer does not look at positions: Gated DeltaNet (Qwen3.5,
-Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid), Mamba hybrids, lightning and kimi delta attention carry
-their state from one document into the next. Gated DeltaNet is packed exactly: given the
-documents' ends, every document restarts its recurrent state and its short convolution, as if it had
-a row of its own (sft/models/gated_deltanet.py); so are Kimi's delta attention layers (Kimi-Linear)
-and LFM2's short convolution layers (a short convolution is all they carry). `check_packing` puts
-those layers' document-aware functions in place and says that the loss must
-pass them the ends.
+A recurrent or convolutional layer does not look at positions: it carries its state from one document
+into the next. Gated DeltaNet, Kimi delta attention and LFM2's short convolutions restart at each
+document given the documents' ends (sft/models/gated_deltanet.py): `check_packing` puts their
+document-aware functions in place and says that the loss must pass them the ends.
 
 Any other layer that carries state is refused for packing in one line, and by context parallelism
 (`cp_unsupported`, its one rule), which runs the layers above over whole rows.
@@ -24,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel, masking_utils
@@ -41,6 +38,28 @@ _STATEFUL_MIXERS = ("Mamba", "Mixer", "GatedDeltaNet", "ShortConv", "LightningAt
 
 class PackingError(UserError):
     """A model whose layers cannot be packed as configured; the message names the layers and the fix."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What packed rows need from the loss (sft/training/loss.py)."""
+    document_ends: bool = False  # the documents' ends, passed to the layers that restart per document
+    masks: tuple[str, ...] = ()  # the layer kinds whose attention masks it builds from the positions
+
+
+ONE_DOCUMENT_A_ROW = Packing()
+
+
+def _masks_from_positions(model: PreTrainedModel) -> tuple[str, ...] | None:
+    """The layer kinds (full or sliding-window attention) whose masks the loss builds for `model`, where its
+    forward takes a dict of masks by layer kind built beforehand (as `generate` prepares them); else None."""
+    class Watched(dict):
+        def __getitem__(self, kind):
+            raise _Reached
+
+    kinds = tuple(sorted(attention_kinds(text_config(model.config))))
+    takes = kinds and set(kinds) <= {"full_attention", "sliding_attention"}
+    return kinds if takes and _reaches(model, positions_on_host=False, attention_mask=Watched()) else None
 
 
 def _stateful_mixers(model: PreTrainedModel) -> dict[str, type]:
@@ -77,28 +96,34 @@ def _packs_exactly(model: PreTrainedModel) -> bool:
                for name, cls in mixers.items())
 
 
-def builds_document_masks(model: PreTrainedModel) -> bool:
-    """Whether `model` builds its attention masks from the position ids, so that the documents of a
-    packed row do not see each other: its own forward is run on a packed row's positions,
-    watching whether transformers looks for the documents."""
-    class Looked(Exception):
-        pass
+class _Reached(Exception):
+    """A probe's: the forward stops where it reaches what is watched (no layer runs on meta tensors)."""
 
+
+def _reaches(model: PreTrainedModel, **kwargs) -> bool:
+    """Whether `_probe_forward(model, **kwargs)` reaches a probe (raises _Reached)."""
+    try:
+        with torch.no_grad():
+            _probe_forward(model, **kwargs)
+    except _Reached:
+        return True
+    except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: it never got there
+        pass
+    return False
+
+
+def builds_document_masks(model: PreTrainedModel) -> bool:
+    """Whether `model` builds its attention masks from the position ids (so that packed documents do not see
+    each other): its forward is run on a packed row's positions, watching whether transformers looks."""
     def watched(position_ids: torch.Tensor):
-        raise Looked  # the forward stops here: no layer runs (a GPU kernel given meta tensors would fault)
+        raise _Reached
 
     find = masking_utils.find_packed_sequence_indices
     masking_utils.find_packed_sequence_indices = watched
     try:
-        with torch.no_grad():
-            _probe_forward(model)
-    except Looked:
-        return True
-    except Exception:  # noqa: BLE001 -- past the masks, meta and real tensors meet: it never looked
-        pass
+        return _reaches(model)
     finally:
         masking_utils.find_packed_sequence_indices = find
-    return False
 
 
 def _probe_forward(model: PreTrainedModel, positions_on_host: bool = True, **kwargs) -> None:
@@ -156,25 +181,26 @@ def _passed_through(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tenso
     return hidden_states
 
 
-def check_packing(model: PreTrainedModel, packing: bool) -> bool:
+def check_packing(model: PreTrainedModel, packing: bool) -> Packing:
     """data.packing: the model's attention keeps documents apart, and its layers that carry state
     restart at each document (sft/models/gated_deltanet.py); else one line naming what mixes them. Returns
-    whether packed rows' document ends must reach its layers (sft/training/loss.py passes them)."""
+    what packed rows need from the loss."""
     if not packing:
-        return False
-    if not builds_document_masks(model):
+        return ONE_DOCUMENT_A_ROW
+    masks = ()
+    if not builds_document_masks(model) and (masks := _masks_from_positions(model)) is None:
         raise PackingError(f"data.packing=true: {type(model).__name__} does not build its attention masks from the "
                            "position ids where packed documents restart (in this transformers), so its documents "
                            "would see each other; set data.packing=false")
     if not (layers := stateful_layers(model)):
-        return False
+        return Packing(masks=masks)
     if not _packs_exactly(model):
         raise PackingError(f"data.packing=true: {layers} carry their state from one packed document into the next, "
                            "mixing documents, and only Gated DeltaNet, Kimi delta attention and short convolution "
                            "layers that pass on their call's keyword arguments (transformers 5.24's do) restart per "
                            "document yet; set data.packing=false")
     install_gated_deltanet_functions(model)  # given a row's document ends, its layers restart there
-    return True
+    return Packing(document_ends=True, masks=masks)
 
 
 def cp_unsupported(model: PreTrainedModel) -> str | None:

@@ -1,19 +1,15 @@
 """Vision-language checkpoints, trained on text.
 
-Qwen3.5 ships as one checkpoint holding a language model and a vision tower (its config.json has a
-text_config and a vision_config), as do Gemma-3/4 from 4B, Mistral-3 and Llama-4. A text run trains
-the language model alone, built as the text class transformers ships for the text config
-(`Qwen3_5ForCausalLM` for `Qwen3_5TextConfig`). The vision tower, its projector and whatever else
-the files hold beyond the language model (Qwen3.5's multi-token-prediction head) are never loaded
-on a GPU, sharded, trained or given optimizer state: each checkpoint's hf/ keeps them, bytes as the
-files hold them (sft/hub/vision_language.py), beside the original config.json, so that an export is the original
-checkpoint: its config.json, its tensor names, the kept tensors byte for byte and the language
-model as trained. transformers loads it as the original class, and vLLM serves it.
-
+A checkpoint holding a language model and a vision tower (its config.json has a text_config: Qwen3.5,
+Gemma-3/4 from 4B, Mistral-3, Llama-4) trains its language model alone, built as transformers' text
+class for the text config (`Qwen3_5ForCausalLM` for `Qwen3_5TextConfig`). The tower and whatever else
+the files hold (Qwen3.5's multi-token-prediction head) are never loaded on a GPU, sharded or trained:
+each checkpoint's hf/ keeps them byte for byte (sft/hub/vision_language.py), so that an export is the
+original checkpoint, which transformers loads as the original class and vLLM serves.
 Where transformers ships no causal class for the text config but a text model class (Qwen3-VL,
-Qwen2.5-VL, GLM-4.xV: on text-only rows their multimodal rotary positions are the text positions in
-every section), the language model is that model under a head (`under_a_head`), with a causal
-class's names (`model.`, `lm_head.`); tests/zoo.py checks its loss against the vision-language class.
+Qwen2.5-VL, GLM-4.xV: on text rows their multimodal rotary positions are the text positions), the
+language model is that model under a head (`under_a_head`, with a causal class's names `model.`,
+`lm_head.`); tests/zoo.py checks its loss against the vision-language class.
 """
 
 from __future__ import annotations

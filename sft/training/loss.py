@@ -13,20 +13,22 @@ unit, which stays unsharded while the loss runs).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel, masking_utils
 
 from sft.config import LOGITS_PER_CHUNK
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import all_reduce_sum, to_device
 from sft.errors import UserError
-from sft.models.architecture import Logits, decoder
+from sft.models.architecture import Logits, decoder, text_config
 from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
+from sft.models.packing import ONE_DOCUMENT_A_ROW, Packing, PackingError
 from sft.parallel.context_parallel import attention_masks, attention_windows, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
@@ -123,11 +125,35 @@ def on_device(inputs: dict[str, torch.Tensor | tuple[int, ...]], device: torch.d
     return {k: to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
+# transformers' attention mask builders by layer kind, for a model given masks built beforehand (Packing.masks)
+MASK_BUILDERS = {"full_attention": masking_utils.create_causal_mask,
+                 "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+
+
+def document_masks(config: PretrainedConfig, kinds: tuple[str, ...], position_ids: torch.Tensor) -> dict:
+    """The attention masks of layer `kinds` for rows of `position_ids` (documents whose positions
+    restart), by transformers' own builders, which find the documents there."""
+    shape = torch.empty(*position_ids.shape, 0, device=position_ids.device)  # what the builders read of the input
+    return {kind: MASK_BUILDERS[kind](config=config, inputs_embeds=shape, attention_mask=None, cache=None,
+                                      position_ids=position_ids) for kind in kinds}
+
+
+def _keeps_documents_apart(config: PretrainedConfig, kinds: tuple[str, ...]) -> bool:
+    """Whether this transformers' builders keep two packed documents apart (dense masks, to look at)."""
+    probe = copy.copy(config)
+    probe._attn_implementation = "sdpa"
+    try:
+        masks = document_masks(probe, kinds, torch.tensor([[0, 1, 0, 1]]))
+    except TypeError:  # builders of another signature
+        return False
+    return all(mask is not None and not mask[0, 0, 2, 1] and mask[0, 0, 2, 2] for mask in masks.values())
+
+
 @dataclass(frozen=True)
 class LossSetting:
     """What the fused loss knows of the model it runs on, decided once when it is built."""
     logits: Logits
-    document_ends: bool = False  # packed rows' document ends reach its layers that restart per document
+    packing: Packing = ONE_DOCUMENT_A_ROW  # what packed rows need: document ends, masks the model does not build
     cp_group: str | None = None  # context parallelism: the process group each row is split over
     cp_windows: tuple[int | None, ...] = (None,)  # and the windows its attention layers look back within
 
@@ -140,15 +166,15 @@ class SFTLoss(nn.Module):
     forward is the loss. What the loss knows of the model is its `LossSetting`.
 
     Packed rows' document ends reach the layers that carry state (sft/models/gated_deltanet.py);
-    attention keeps documents apart by their positions. Under context parallelism the layers that
+    attention keeps documents apart by their positions (where the model does not build its masks from
+    them, the loss builds them: sft/models/packing.py). Under context parallelism the layers that
     carry state run the whole rows (`RowParts`).
     """
 
-    def __init__(self, model: PreTrainedModel, head: Logits | None = None, document_ends: bool = False,
+    def __init__(self, model: PreTrainedModel, head: Logits | None = None, packing: Packing = ONE_DOCUMENT_A_ROW,
                  dims: ParallelDims | None = None):
         """`head`: what the model's head does (`Logits.of`, checked before the model was sharded);
-        `document_ends`: its layers restart per packed document (`check_packing`); `dims`: the mesh,
-        for context parallelism."""
+        `packing`: what its packed rows need (`check_packing`); `dims`: the mesh, for context parallelism."""
         super().__init__()
         if own := [name for name, _ in model.named_parameters(recurse=False)]:
             # FSDP would shard them on the loss only (the model object is not among its modules)
@@ -160,15 +186,20 @@ class SFTLoss(nn.Module):
         self.head_name = next(name for name, module in model.named_modules()
                               if module is model.get_output_embeddings())
         cp = dims is not None and dims.cp_enabled
-        self.setting = LossSetting(head or Logits.of(model), document_ends, dims.cp_group_name if cp else None,
+        self.setting = LossSetting(head or Logits.of(model), packing, dims.cp_group_name if cp else None,
                                    attention_windows(model.config) if cp else (None,))
+        self.text_config = text_config(model.config)  # what the attention mask builders read
+        if packing.masks and not _keeps_documents_apart(self.text_config, packing.masks):
+            raise PackingError(f"data.packing=true: {type(model).__name__} builds its attention masks without the "
+                               "position ids, and this transformers' mask builders do not keep packed documents apart "
+                               "either; set data.packing=false")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
                 target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
                 **cp_layout: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
         setting, ends = self.setting, None
-        if document_ends is not None and setting.document_ends:
+        if document_ends is not None and setting.packing.document_ends:
             on_host = torch.tensor(document_ends)
             ends = DocumentEnds(on_host, to_device(on_host, input_ids.device))
         if cp_layout:
@@ -177,6 +208,8 @@ class SFTLoss(nn.Module):
                                        ends)}
         else:
             extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
+            if document_ends is not None and setting.packing.masks:
+                extra["attention_mask"] = document_masks(self.text_config, setting.packing.masks, position_ids)
         hidden = self.get_submodule(self.decoder_name)(input_ids=input_ids, position_ids=position_ids,
                                                        use_cache=False, **extra).last_hidden_state
         weight = self.get_submodule(self.head_name).weight

@@ -41,8 +41,9 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
     model = rank0_first(lambda: build_meta_model(cfg.model))
     head = rank0_first(lambda: Logits.of(model))  # the fused lm_head + cross-entropy computes it, or one line
-    # Stateful layers restart at each packed document, or one line before anything is allocated
-    document_ends = rank0_first(lambda: check_packing(model, cfg.data.packing))
+    # Packed documents kept apart (layers that carry state restart, masks the model does not build from
+    # the positions are built), or one line before anything is allocated
+    packing = rank0_first(lambda: check_packing(model, cfg.data.packing))
     rank0_first(lambda: use_gated_deltanet_kernels(model, device))  # fla's kernels on GPUs, or one line
     if (attention := model.config._attn_implementation) != cfg.model.attn_implementation:
         log0(f"attention: {type(model).__name__} cannot run model.attn_implementation={cfg.model.attn_implementation} "
@@ -61,7 +62,7 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
     buffers = real_buffers(model)
     # the fused lm_head + cross-entropy, holding the model's children: FSDP's root unit
-    loss = SFTLoss(model, head, document_ends, dims)
+    loss = SFTLoss(model, head, packing, dims)
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora, loss)
     # nothing may have swapped a child of the model since: the loss would run the old one
     assert dict(loss.named_children()) == dict(model.named_children()), "the loss no longer holds the model's children"

@@ -247,6 +247,8 @@ MOE_RUNS = [
     # gpt-oss: transposed experts, interleaved gate/up, biases, attention sinks (eager attention)
     ("gpt-oss reference", "gpt-oss", 1, ["--reference", "--micro-batch", "2", "--attn", "eager"]),
     ("gpt-oss 2 ranks, grad-acc 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager"]),
+    # its masks (window, full) built by the loss from the packed positions (sft/models/packing.py: Packing.masks)
+    ("gpt-oss packed rows", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager", "--packed"]),
     # Expert parallelism: 4 of the 8 experts per rank, rows sent across (sft/parallel/expert_parallel.py)
     ("moe ep 2", "moe", 2, ["--grad-accum", "2", "--ep", "2"]),
     ("moe ep 2, packed rows", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--packed"]),
@@ -277,7 +279,8 @@ MOE_RUNS = [
 # differ by up to ~2e-7 in float32 (seen on an embedding row and a gpt-oss attention bias); rtol stays 1e-5.
 MOE_EQUIVALENT = [("moe reference", "moe 1 rank, grad-acc 4"), ("moe reference", "moe 2 ranks, grad-acc 2"),
                   ("moe reference", "moe packed rows"), ("moe 1 expert reference", "moe 1 expert, 2 ranks"),
-                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2"), ("moe reference", "moe ep 2"),
+                  ("gpt-oss reference", "gpt-oss 2 ranks, grad-acc 2"), ("gpt-oss reference", "gpt-oss packed rows"),
+                  ("moe reference", "moe ep 2"),
                   ("moe reference", "moe ep 2, packed rows"), ("moe reference", "moe ep 2 x fsdp 2"),
                   ("moe reference", "moe ep 4"), ("gpt-oss reference", "gpt-oss ep 2"), ("moe reference", "moe cp 2"),
                   ("moe reference", "moe cp 2 x ep 2, packed rows"), ("moe reference", "moe cp 4, packed rows"),

@@ -61,6 +61,30 @@ def test_packed_loss_equals_padded_loss(model):
         assert loss(**loss_inputs(packed)).item() == pytest.approx(loss(**loss_inputs(padded)).item(), rel=1e-5)
 
 
+def test_gpt_oss_packs_with_the_masks_the_loss_builds_from_the_positions(tmp_path):
+    """gpt-oss builds its masks (windowed and full) without the position ids, but takes masks built
+    beforehand: the loss builds them with transformers' builders from the packed positions, and a
+    packed batch's loss equals the padded one's (without them its documents see each other)."""
+    from helpers import gpt_oss_model_dir
+    from sft.models.packing import Packing, check_packing
+
+    cfg = ModelConfig(name_or_path=str(gpt_oss_model_dir(tmp_path)), init="random")
+    model = build_meta_model(cfg)
+    packing = check_packing(model, packing=True)
+    assert packing == Packing(document_ends=False, masks=("full_attention", "sliding_attention"))
+    materialize(model, real_buffers(model), torch.device("cpu"))
+    load_weights(model, initial_weights(cfg, 0, model), torch.device("cpu"))
+    model.eval()
+    samples = synthetic_global_batch(12, seed=2)
+    rows = pack_best_fit([len(s["input_ids"]) for s in samples], 96)
+    packed = collate_packed([[samples[i] for i in row] for row in rows], pad_token_id=0, row_len=96)
+    padded = collate(samples, pad_token_id=0, max_seq_len=96)
+    with torch.no_grad():
+        expected = SFTLoss(model)(**loss_inputs(padded)).item()
+        assert SFTLoss(model, packing=packing)(**loss_inputs(packed)).item() == pytest.approx(expected, rel=1e-6)
+        assert SFTLoss(model)(**loss_inputs(packed)).item() != pytest.approx(expected, rel=1e-4)
+
+
 def test_best_fit_decreasing_places_every_sample_once():
     rng = random.Random(0)
     lengths = [rng.randint(1, 300) for _ in range(2000)]
@@ -204,7 +228,7 @@ def test_other_stateful_layers_restart_in_a_packed_row(kind, device):
         pytest.skip(f"transformers {transformers.__version__}'s {layers} pass no keyword arguments on (refused, "
                     "as tested below)")  # LFM2's in transformers 5.17
     assert sys.modules[layer.__module__] in [m for found in restarting_modules(model).values() for m in found]
-    assert check_packing(model, packing=True)  # the loss passes packed rows' document ends to these layers
+    assert check_packing(model, packing=True).document_ends  # the loss passes packed rows' ends to these layers
     assert cp_unsupported(model) is None
     documents = [torch.randint(3, 800, (n,), device=device) for n in (5, 70, 1)]  # shorter than the taps, over a
     decoder = model.get_decoder()  # 64-token chunk
