@@ -62,7 +62,7 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     apply_master_dtype(model, cfg.optim)  # optim.master_dtype=bfloat16: the trained weights in bf16
     buffers = real_buffers(model)
     # the fused lm_head + cross-entropy, holding the model's children: FSDP's root unit
-    loss = SFTLoss(model, head, packing, dims)
+    loss = rank0_first(lambda: SFTLoss(model, head, packing, dims))  # or one line
     parallelize(model, blocks, dims, cfg.ac, cfg.compile.enabled, cfg.fsdp, cfg.precision.float8, moe, lora, loss)
     # nothing may have swapped a child of the model since: the loss would run the old one
     assert dict(loss.named_children()) == dict(model.named_children()), "the loss no longer holds the model's children"
