@@ -16,7 +16,7 @@ from sft.parallel.mesh import ParallelDims
 from sft.plan import memory
 from sft.plan.host import host_gib_per_node, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
-                             predict_fit, predict_gib)
+                             gpus_text, predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, host_refusal, nothing_fits,
                              offload_choice, roomier_layout, smallest_cp, suggest, text_of)
 
@@ -42,7 +42,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
     s = Shapes.of(model, cfg.lora)
     active = f" ({s.active_params / 1e9:.2f}B active: {s.top_k} of {s.experts} experts per token)" if s.experts else ""
     lines = [f"{cfg.model.name_or_path}{shapes_note}: {s.params / 1e9:.2f}B parameters{active}, {s.layers} blocks, "
-             f"{m.gpus} GPUs "
+             f"{gpus_text(m.gpus)} "
              f"({ParallelDims.of(cfg, m.gpus).shard_ranks}-way sharding), {cfg.data.max_seq_len} tokens per sequence"
              + (f" split over cp.degree={cfg.cp.degree} GPUs" if cfg.cp.degree > 1 else "") + ", "
              f"budget {m.gpu_mem_gib:.0f} GiB/GPU, of which {USABLE_FRACTION:.0%} for the peak"
@@ -71,7 +71,7 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         if cfg.ac.offload:
             offloaded = offloaded_block_bytes_per_rank(s, cfg, m) / GIB
             parts.append(f"{offloaded:.1f} GiB of the checkpointed blocks' inputs (ac.offload)")
-        lines.append(f"host: {need:.1f} GiB per node predicted ({m.gpus_on_a_node} GPUs per node x "
+        lines.append(f"host: {need:.1f} GiB per node predicted ({gpus_text(m.gpus_on_a_node)} per node x "
                      f"{need / m.gpus_on_a_node:.1f} GiB: {', '.join(parts)}, the process) for "
                      f"{m.host_mem_gib:.0f} GiB{host_mem_note}"
                      + (" — does NOT fit" if need > m.host_mem_gib else " — fits"))

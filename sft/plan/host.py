@@ -9,7 +9,7 @@ import math
 from sft.config import STATE_BYTES, Config
 from sft.parallel.activation_checkpointing import ac_block_indices
 from sft.parallel.mesh import ParallelDims
-from sft.plan.memory import GIB, Machine, Shapes, tokens_per_gpu
+from sft.plan.memory import GIB, Machine, Shapes, gpus_text, tokens_per_gpu
 
 # One rank's own host footprint (CUDA context, libraries, Python): 1.8 GiB RSS per rank measured
 # after loading 14B without offload (docs/BENCHMARKS.md); an assumption the offload bench checks.
@@ -66,7 +66,7 @@ def host_problem(s: Shapes, cfg: Config, m: Machine, micro_batch: int | None = N
     if need <= m.host_mem_gib:
         return None
     # what lowers each: more shard ranks (fsdp.cpu_offload's shards), a smaller share of a row (ac.offload)
-    fixes = ["fewer GPUs per node"]
+    fixes = ["fewer GPUs per node"] if m.gpus_on_a_node > 1 else []
     if cfg.fsdp.cpu_offload:
         fixes.insert(0, "more nodes (more shard ranks)")
         fixes += ["checkpoint.async_save=false"] if cfg.checkpoint.stages_in_host_memory else []
@@ -76,5 +76,7 @@ def host_problem(s: Shapes, cfg: Config, m: Machine, micro_batch: int | None = N
     setting = "" if micro_batch is None and ac_ratio is None else \
         f" at train.micro_batch_size={micro_batch or cfg.train.micro_batch_size} " \
         f"ac.ratio={cfg.ac.ratio if ac_ratio is None else ac_ratio:g}"
-    return (f"{' with '.join(offloads)} needs {need:.0f} GiB of host memory per node ({m.gpus_on_a_node} GPUs "
-            f"per node{setting}) > {m.host_mem_gib:.0f} GiB: use {', '.join(fixes[:-1])} or {fixes[-1]}")
+    digits = 0 if round(need) > round(m.host_mem_gib) else 1  # never "needs 114 GiB > 114 GiB"
+    return (f"{' with '.join(offloads)} needs {need:.{digits}f} GiB of host memory per node "
+            f"({gpus_text(m.gpus_on_a_node)} per node{setting}) > {m.host_mem_gib:.{digits}f} GiB: use "
+            f"{', '.join(fixes[:-1])} or {fixes[-1]}")

@@ -308,6 +308,11 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     return max(end_of_forward, end_of_backward)
 
 
+def gpus_text(count: int) -> str:
+    """`count` GPUs, in words ("1 GPU", "8 GPUs")."""
+    return f"{count} GPU{'' if count == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Machine:
     """What a run plans for: GPUs in all, GiB per GPU, host GiB and GPUs per node."""

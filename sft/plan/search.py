@@ -17,7 +17,7 @@ from sft.models.build import build_meta_model
 from sft.parallel.activation_checkpointing import AC_MODES, ac_block_indices, recompute_fraction
 from sft.parallel.mesh import ParallelDims
 from sft.plan.host import host_gib_per_node, host_problem
-from sft.plan.memory import GIB, Machine, Shapes, predict_fit, predict_gib, usable_fraction
+from sft.plan.memory import GIB, Machine, Shapes, gpus_text, predict_fit, predict_gib, usable_fraction
 
 RATIOS = (0.0, 0.25, 0.5, 0.75, 1.0)
 MODES = tuple(AC_MODES)
@@ -119,8 +119,8 @@ def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
     choice = None if cfg.ac.offload else suggest(s, offloaded, dataclasses.replace(m, host_mem_gib=math.inf))
     host = (f"; ac.offload=true would fit the GPUs with {host_gib_per_node(s, offloaded, m, choice[2], choice[0]):.0f} "
             f"GiB of host memory per node ({m.host_mem_gib:.0f} GiB here)") if choice else ""
-    return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {m.gpus} GPUs: use more GPUs, {offload}a larger "
-            f"cp.degree or a shorter data.max_seq_len{host}")
+    return (f"nothing fits {m.gpu_mem_gib:.0f} GiB per GPU on {gpus_text(m.gpus)}: use more GPUs, {offload}a "
+            f"larger cp.degree or a shorter data.max_seq_len{host}")
 
 
 def _set(cfg: Config, overrides: dict) -> None:

@@ -184,14 +184,17 @@ def test_cli_counts_offloaded_block_inputs_in_host_memory(at_repo, capsys):
             "(84.6 GiB per GPU and 114.0 GiB of host memory per node predicted; plan.auto chooses it)") in out
     out = plan(1, 128, "true")
     assert "this config (micro-batch 1, ac.ratio 1): 84.6 GiB per GPU predicted — fits" in out
-    assert ("host: 114.0 GiB per node predicted (1 GPUs per node x 114.0 GiB: 112.0 GiB of the checkpointed blocks' "
+    assert ("host: 114.0 GiB per node predicted (1 GPU per node x 114.0 GiB: 112.0 GiB of the checkpointed blocks' "
             "inputs (ac.offload), the process) for 128 GiB — fits") in out
     # 64 GiB of host memory: the config's ac 0.25 fits the host (28 + 2 GiB) but not the GPU, and the
     # settings the GPU takes (ac 1: 114 GiB) not the host
     out = plan(1, 64, "true", ratio="0.25")
     assert "suggested" not in out and "nor with" not in out
-    assert ("ac.offload needs 114 GiB of host memory per node (1 GPUs per node at train.micro_batch_size=1 "
-            "ac.ratio=1) > 64 GiB") in out
+    assert ("ac.offload needs 114 GiB of host memory per node (1 GPU per node at train.micro_batch_size=1 "
+            "ac.ratio=1) > 64 GiB: use a smaller train.micro_batch_size or ac.ratio, a larger cp.degree or "
+            "ac.offload=false") in out  # not "fewer GPUs per node": there is one
+    # a need that rounds to the budget is said to a tenth of a GiB
+    assert "ac.offload needs 114.0 GiB of host memory per node (1 GPU per node) > 113.5 GiB" in plan(1, 113.5, "true")
     # 4k rows: without offload the planner would check no block (ac.ratio=0), which would move nothing
     out = plan_cli(capsys, "--config", "configs/bench/p7b.yaml", "--gpus", "1", "--gpu-mem", "139.8", "--host-mem", "128",
                    "lora.rank=16", "ac.ratio=1", "ac.offload=true")[1]
@@ -524,7 +527,7 @@ def test_qwen72b_qlora_plans_one_80gb_gpu_offline(at_repo, capsys):
     assert status == 0 and "this config (micro-batch 1, ac.ratio 1): 88.6 GiB per GPU predicted — fits" in out
     status, out = plan_cli(capsys, "--config", "configs/qwen72b_qlora.yaml", "--gpus", "1", "--gpu-mem", "80",
                            "lora.rank=0", "lora.base=bfloat16")  # lora.base=nf4 alone is refused without LoRA
-    assert status == 1 and "nothing fits 80 GiB per GPU on 1 GPUs" in out
+    assert status == 1 and "nothing fits 80 GiB per GPU on 1 GPU" in out
 
 
 def auto_plan_on_two_h200(tmp_path, model: str, allow_lean: bool):
