@@ -19,6 +19,7 @@ import pickle
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -30,46 +31,18 @@ from sft.hub.safetensors_files import PositionalReads
 from sft.hub.weights import READ_THREADS
 
 
-class _Window(io.RawIOBase):
-    """The bytes [start, start + size) of an open file, as a seekable file of their own (what
-    torch.load reads a record from)."""
-
-    def __init__(self, stream: io.BufferedReader, start: int, size: int):
-        super().__init__()
-        self.stream, self.start, self.size, self.position = stream, start, size, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.position = offset + (0, self.position, self.size)[whence]
-        return self.position
-
-    def tell(self) -> int:
-        return self.position
-
-    def readinto(self, buffer) -> int:
-        size = max(0, min(len(buffer), self.size - self.position))
-        self.stream.seek(self.start + self.position)
-        got = self.stream.readinto(memoryview(buffer)[:size])
-        self.position += got
-        return got
-
-
 def _record_data_offset(saved: torch.Tensor) -> int | None:
     """Where torch.load, on the meta device, found a record's data (from the record's start); None
     on a torch that does not say."""
     return getattr(saved.untyped_storage(), "_checkpoint_offset", None)
 
 
-def _saved_layout(stream: io.BufferedReader, start: int, size: int, item: ReadItem) -> tuple[int, torch.Tensor] | None:
+def _saved_layout(record: IO[bytes], start: int, item: ReadItem) -> tuple[int, torch.Tensor] | None:
     """(the file offset of the data `item` reads, the saved tensor's slice it reads, on the meta device),
-    or None where the record is not one contiguous run of a dense tensor's data this can read directly."""
+    for the record that begins at `start` of its file (`record`: a view of it, FileSystemReader's), or
+    None where it is not one contiguous run of a dense tensor's data this can read directly."""
     try:
-        saved = torch.load(_Window(stream, start, size), map_location="meta", weights_only=True)
+        saved = torch.load(record, map_location="meta", weights_only=True)
     except (RuntimeError, pickle.UnpicklingError):  # not a torch.save record (another serialisation)
         return None
     if not isinstance(saved, torch.Tensor) or saved.layout != torch.strided:
@@ -125,7 +98,7 @@ class CheckpointReader(dcp.FileSystemReader):
         info = self.storage_data[item.storage_index]
         if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
             return None
-        found = _saved_layout(stream, info.offset, info.length, item)
+        found = _saved_layout(self._slice_file(stream, info), info.offset, item)
         if found is None:
             return None
         offset, saved = found

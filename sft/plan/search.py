@@ -85,14 +85,19 @@ def smallest_cp(s: Shapes, cfg: Config, m: Machine) -> int | None:
     return None
 
 
+def _with_offload(cfg: Config) -> Config:
+    """`cfg` with ac.offload on, every block checkpointed to pass the config's checks (suggest chooses
+    the ratio, never 0 with offload)."""
+    return dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
+
+
 def offload_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[float, str, int, int]] | None:
     """Where nothing fits `cfg`'s GPUs (at its cp.degree) with the blocks' inputs on them: `cfg` with
-    ac.offload on and suggest's choice there, if one fits the GPUs and the host; else None. Before a
-    larger cp.degree, expert parallelism or leaner state:
-    the same numerics, rows and global batch (a cp group trains one row on several GPUs), for 3% of
-    the step at 32k tokens on one H200 (docs/long-context.md)."""
-    # every block checkpointed to pass the config's checks (suggest chooses the ratio, never 0 with offload)
-    candidate = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
+    ac.offload on and suggest's choice there, if one fits the GPUs and the host; else None. Tried before
+    a larger cp.degree, expert parallelism or leaner state: the same numerics, rows and global batch (a
+    cp group trains one row on several GPUs), for 3% of the step at 32k tokens on one H200
+    (docs/long-context.md)."""
+    candidate = _with_offload(cfg)
     if cfg.ac.offload or range_checks(candidate, local_checks=False):
         return None
     choice = suggest(s, candidate, m)
@@ -114,7 +119,7 @@ def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
     host memory it would need."""
     offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
         "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ")
-    offloaded = dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
+    offloaded = _with_offload(cfg)
     # what plan.auto would choose with ac.offload on a node of unbounded host memory, and what it needs there
     choice = None if cfg.ac.offload else suggest(s, offloaded, dataclasses.replace(m, host_mem_gib=math.inf))
     host = (f"; ac.offload=true would fit the GPUs with {host_gib_per_node(s, offloaded, m, choice[2], choice[0]):.0f} "
