@@ -98,8 +98,9 @@
 #             fla-core + tilelang), random init; each run's wall time, start-up and
 #             first step with what torch.compile took from the cache; and load30b-24: Qwen3-30B-A3B with 24 of
 #             its 48 blocks saved as transformers saves it (30.5 GB), loaded by ours and by from_pretrained
-#             (scripts/bench_load.py), then the same LoRA run from it (ONLY=regex picks lora-p7b / lora30b /
-#             lora-qwen35-9b / load30b-24)
+#             (scripts/bench_load.py), then the same LoRA run from it; lora-p7b-files: P-7B LoRA from the
+#             peer's checkpoint of the 7B (15 GB), and with PEER_DIR set TRL's launch -> step 2 on the same files
+#             (ONLY=regex picks lora-p7b / lora30b / lora-qwen35-9b / load30b-24 / lora-p7b-files)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -741,6 +742,10 @@ RUNS
       # bit for bit the same weights; then the load30b-24 runs below start from it
       [[ "load30b-24" =~ ${ONLY:-.} ]] && python3 scripts/bench_load.py /tmp/qwen3-30b-a3b-24 \
         --preset qwen3-30b-a3b-24 --device cuda --repeats 2 --threads 4 8 2>&1 | grep -E "GB on|Error"
+      # the peer's P-7B checkpoint (15 GB as transformers saves it): ours (lora-p7b-files) and TRL's start from it
+      peer_model=/tmp/peer-model-qwen2.5-7b
+      [[ "lora-p7b-files" =~ ${ONLY:-.} ]] && [ ! -d $peer_model ] && python3 "${PEER_DIR:-../shared/peer}/make_model.py" \
+        qwen2.5-7b $peer_model | tail -1
       while read -r name config overrides; do
         [[ "$name" =~ ${ONLY:-.} ]] || continue
         for launch in cold warm; do
@@ -753,7 +758,23 @@ lora-p7b configs/bench/p7b.yaml lora.rank=16 lora.alpha=32 ac.ratio=1
 lora30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
 lora-qwen35-9b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3.5-9b lora.rank=16 lora.alpha=32 plan.auto=true
 load30b-24 configs/bench/p7b.yaml model.name_or_path=/tmp/qwen3-30b-a3b-24 model.init=pretrained lora.rank=16 lora.alpha=32 lora.target_modules=[all-linear,experts] train.micro_batch_size=2 ac.ratio=1
+lora-p7b-files configs/bench/p7b.yaml model.name_or_path=/tmp/peer-model-qwen2.5-7b model.init=pretrained lora.rank=16 lora.alpha=32 ac.ratio=1
 RUNS
+      # the peer on the same files and rows: TRL + peft + Liger, LoRA rank 16 on every Linear, full AC (its variant
+      # that fits the P-7B rows on one GPU), launch -> exit after step 2, twice; TRL compiles nothing, so "warm"
+      # differs from "cold" only by the page cache and Python's bytecode cache
+      if [ -n "${PEER_DIR:-}" ] && [[ "lora-p7b-files" =~ ${ONLY:-.} ]]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/peer-site .whl/*.whl
+        for launch in cold warm; do
+          t0=$(date +%s.%N)
+          PYTHONPATH=/tmp/peer-site:$PYTHONPATH TOKENIZERS_PARALLELISM=false timeout "${RUN_TIMEOUT:-300}" torchrun \
+            --standalone --nproc_per_node 1 "$PEER_DIR/trl_sft_bench.py" --model $peer_model --seq 4096 --bs 2 \
+            --steps 2 --warmup 0 --lora 16 --liger > "$LOGS/startup-peer-lora-p7b-$launch.log" 2>&1
+          echo "startup-peer-lora-p7b-$launch: exit $? in $(python3 -c "print(round($(date +%s.%N) - $t0))") s" \
+            "(launch -> exit after step 2; trainer.train() $(grep -o '"wall_s": [0-9.]*' \
+            "$LOGS/startup-peer-lora-p7b-$launch.log" | cut -d' ' -f2) s)"
+        done
+      fi
       ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
