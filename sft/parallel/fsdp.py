@@ -55,6 +55,17 @@ class GradientsInComputePool:
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
+def whole_frozen(root: nn.Module, dims: ParallelDims, cfg: FSDPConfig) -> set[nn.Parameter]:
+    """The frozen parameters FSDP leaves alone: where it shards over one rank (one GPU, or replicas
+    only) and keeps the shards on the GPU, a frozen parameter already in fsdp.param_dtype (LoRA's
+    base) has nothing to shard, cast or reduce, and FSDP would only copy it into its all-gather
+    buffer before each block's forward and backward: on one H200 the whole Qwen3-30B-A3B's LoRA
+    step copied its 1.2 GB of experts a block twice, 54 ms of a 590 ms step (docs/BENCHMARKS.md)."""
+    if dims.shard_ranks > 1 or cfg.cpu_offload:
+        return set()
+    return {p for p in root.parameters() if not p.requires_grad and p.dtype == DTYPES[cfg.param_dtype]}
+
+
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
                moe: MoE | None = None, lora: LoRA | None = None) -> None:
     """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head: `root`
@@ -62,7 +73,8 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
     the mesh's shard ranks (and replicas). MoE experts are split by the handle's placement
     (sft/models/moe.py), dim 0 for the rest; under expert parallelism each block's experts are a unit
     of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py). QLoRA's
-    NF4 weights stay whole on every rank (LoRA.nf4_parameters).
+    NF4 weights stay whole on every rank (LoRA.nf4_parameters), and on one GPU every frozen weight
+    already in the compute dtype (`whole_frozen`).
 
     Tied input/output embeddings are one parameter and both live in the root unit. The gradient
     divide factor is 1 on every unit: the loss is already divided by the global count of
@@ -71,7 +83,7 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
     options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                                        reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                   ignored_params=lora.nf4_parameters() if lora else set())
+                   ignored_params=(lora.nf4_parameters() if lora else set()) | whole_frozen(root, dims, cfg))
     for i, block in enumerate(blocks):
         if dims.ep_enabled and moe is not None:  # first: the block's unit then leaves them to this one
             for sparse in (m for m in block.modules() if m in moe.blocks):

@@ -241,10 +241,14 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16 (eager,
     # torchao's dequantisation holds its int64 indices meanwhile: NF4_EAGER_DEQUANT_BYTES a value).
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
-    block_bytes = run.weight_bytes * (s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / run.ep))
+    # Sharded over one rank on the GPU, FSDP gathers only the trained weights (sft/parallel/fsdp.py: whole_frozen).
+    trained_only = run.shard_ranks == 1 and not run.cpu_offload
+    block_bytes = run.weight_bytes * (s.block_trained_params if trained_only else
+                                      s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / run.ep))
+    root_gathered = s.root_params if s.head_trained or not trained_only else 0
     dequantised = (run.weight_bytes if run.compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
     blocks_gathered = 2 if run.reshard_after_forward else s.layers
-    gathered = blocks_gathered * block_bytes + run.weight_bytes * s.root_params + dequantised
+    gathered = blocks_gathered * block_bytes + run.weight_bytes * root_gathered + dequantised
     if run.compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:

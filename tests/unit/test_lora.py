@@ -207,3 +207,30 @@ def test_a_fused_expert_weight_reads_whole_from_the_hubs_per_expert_tensors(tmp_
     assert weights.holds(name)
     for index in ((), (slice(None),) * 3):
         torch.testing.assert_close(weights.read(name, index, torch.device("cpu")), model.get_parameter(name).detach())
+
+
+# (GPUs sharding the model, fsdp.cpu_offload) -> whether FSDP leaves the frozen bf16 base alone
+WHOLE_FROZEN = {(1, False): True, (2, False): False, (1, True): False}
+
+
+@pytest.mark.parametrize("shard_ranks, cpu_offload", list(WHOLE_FROZEN), ids=["1-gpu", "2-gpus", "1-gpu-offload"])
+def test_fsdp_leaves_the_frozen_base_alone_only_where_it_has_nothing_to_shard(shard_ranks, cpu_offload):
+    """On one GPU (shards of one rank, on the GPU) FSDP would only copy the frozen bf16 base into its
+    all-gather buffer at every forward and backward: it leaves it alone. The adapters (trained), and a
+    frozen weight it must cast (not in fsdp.param_dtype), stay its own."""
+    from sft.config import FSDPConfig, LoRAConfig, ModelConfig
+    from sft.models.architecture import decoder_blocks
+    from sft.models.build import build_meta_model
+    from sft.adapters.lora import apply_lora
+    from sft.parallel.fsdp import whole_frozen
+    from sft.parallel.mesh import ParallelDims
+
+    model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
+    apply_lora(model, decoder_blocks(model), LoRAConfig(rank=4), torch.bfloat16)
+    model.model.norm.weight.data = model.model.norm.weight.data.float()  # frozen, but FSDP casts it
+    left = whole_frozen(model, ParallelDims(shard_ranks), FSDPConfig(cpu_offload=cpu_offload))
+    names = {name for name, param in model.named_parameters() if any(param is p for p in left)}
+    frozen_bf16 = {name for name, param in model.named_parameters()
+                   if not param.requires_grad and param.dtype == torch.bfloat16}
+    assert "model.layers.0.self_attn.q_proj.weight" in frozen_bf16 and "model.norm.weight" not in frozen_bf16
+    assert names == (frozen_bf16 if WHOLE_FROZEN[shard_ranks, cpu_offload] else set())
