@@ -92,6 +92,7 @@
 #   qlora72b  issue #35: Qwen2.5-72B shapes (random init) with QLoRA on one GPU (configs/qwen72b_qlora.yaml):
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
+#   loragptoss  issue #59, one GPU: gpt-oss-20b with LoRA on q/k/v/o and every routed expert (plan.auto), and the peer
 #   startup   issue #58, one GPU: launch -> exit after step 2, twice with one fresh compile.cache_dir (cold: nothing
 #             cached; warm: a relaunch, as after a requeue): P-7B rows with LoRA (ac 1) and the whole Qwen3-30B-A3B
 #             with LoRA on its attention and experts (mb 2, ac 1), Qwen3.5-9B with LoRA (plan.auto; needs
@@ -632,6 +633,21 @@ RUNS
           --random --lora 16 --bs "$bs" --steps "$STEPS" >"$log" 2>&1
         echo "trl-lora30b-bs$bs: exit $?"
         if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/lora30b.md
+        else grep -iE "error|out of memory" "$log" | tail -3; fi
+      done ;;
+    loragptoss)  # issue #59, one GPU: gpt-oss-20b (random init), LoRA rank 16 on q/k/v/o and every routed expert,
+      # P-7B rows, flex attention (its sinks), plan.auto; then the peer on the same adapters (scripts/trl_moe_bench.py
+      # --lora 16, transformers' default attention, one GPU) at PEER_BS rows (default 2), full AC
+      p7b_data
+      ac_runs loragptoss <<RUNS
+loragptoss-auto configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention lora.rank=16 lora.alpha=32 lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts] optim.lr=2e-4 plan.auto=true ${TRACE:+logging.profile_steps=[9,10]}
+RUNS
+      for bs in ${PEER_BS:-2}; do
+        log=$LOGS/trl-loragptoss-bs$bs.log
+        timeout "${RUN_TIMEOUT:-300}" python3 scripts/trl_moe_bench.py train --model configs/models/gpt-oss-20b \
+          --random --lora 16 --bs "$bs" --steps "$STEPS" >"$log" 2>&1
+        echo "trl-loragptoss-bs$bs: exit $?"
+        if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/loragptoss.md
         else grep -iE "error|out of memory" "$log" | tail -3; fi
       done ;;
     lora35moe)  # issue #58, one GPU: the whole Qwen3.5-35B-A3B (configs/models/qwen3.5-35b-a3b: transformers'
