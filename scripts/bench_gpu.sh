@@ -93,6 +93,7 @@
 #             4096-token rows, 1 per step, STEPS steps, next to the planner's prediction
 #   lora72b   issue #35: the same with a bf16 base (LoRA), for 2 x H200 (NGPU=2)
 #   loragptoss  issue #59, one GPU: gpt-oss-20b with LoRA on q/k/v/o and every routed expert (plan.auto), and the peer
+#   tiledmlp  issue #60, one GPU: P-7B LoRA on TILE_LEN-token rows (131072), ac 1, MLPs untiled and tiled (ac.mlp_tile_tokens)
 #   startup   issue #58, one GPU: launch -> exit after step 2, twice with one fresh compile.cache_dir (cold: nothing
 #             cached; warm: a relaunch, as after a requeue): P-7B rows with LoRA (ac 1) and the whole Qwen3-30B-A3B
 #             with LoRA on its attention and experts (mb 2, ac 1), Qwen3.5-9B with LoRA (plan.auto; needs
@@ -680,6 +681,16 @@ train.micro_batch_size=1 lora.rank=16 lora.alpha=32 ac.ratio=1"
       ac_runs acoffload <<RUNS
 acoffload-off $LONGROWS
 acoffload-on $LONGROWS ac.offload=true
+RUNS
+      ;;
+    tiledmlp)  # issue #60, one GPU: ac.mlp_tile_tokens (the dense MLPs a tile of TILE (16384) tokens at a time) against
+      # the same run untiled: P-7B's model with LoRA rank 16 on rows of TILE_LEN tokens (default 131072), mb 1, ac 1
+      python3 scripts/synthetic_tokens.py --out data/bench/long.parquet --samples $((NGPU * STEPS)) --length "${TILE_LEN:-131072}"
+      LONGROWS="configs/bench/p7b.yaml data.path=data/bench/long.parquet data.max_seq_len=${TILE_LEN:-131072} \
+train.micro_batch_size=1 lora.rank=16 lora.alpha=32 ac.ratio=1"
+      ac_runs tiledmlp <<RUNS
+tiledmlp-off $LONGROWS
+tiledmlp-on $LONGROWS ac.mlp_tile_tokens=${TILE:-16384}
 RUNS
       ;;
     longrow)  # issue #60, one GPU: the longest rows the goals name, every block checkpointed with its input in host

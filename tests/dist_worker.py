@@ -69,6 +69,7 @@ def parse_run(flags: list[str]) -> argparse.Namespace:
     p.add_argument("--ac-ratio", type=float, default=0.0)
     p.add_argument("--ac-mode", default="blocks")
     p.add_argument("--ac-offload", action="store_true", help="ac.offload (host copies of what checkpointing keeps)")
+    p.add_argument("--mlp-tile", type=int, default=0, help="ac.mlp_tile_tokens (tiled dense MLPs)")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--float8", default="none", help="precision.float8 (emulated float8 matmuls on CPU)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree")
@@ -219,7 +220,7 @@ def run(args: argparse.Namespace, env) -> dict:
     else:
         # The model as train.py builds it (sft/training/model.py), from the config these flags stand for.
         cfg = Config(model=model_cfg, data=DataConfig(packing=args.packed),
-                     ac=ACConfig(args.ac_ratio, args.ac_mode, args.ac_offload),
+                     ac=ACConfig(args.ac_ratio, args.ac_mode, args.ac_offload, args.mlp_tile),
                      fsdp=FSDPConfig(param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                                      reshard_after_forward=not args.zero2, replicate_degree=args.replicate),
                      compile=CompileConfig(enabled=args.compile), precision=PrecisionConfig(float8=args.float8),
@@ -364,7 +365,7 @@ def empty_experts_probe(env) -> dict:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from sft.models.experts import GroupedExperts, run_local_experts
-    from sft.models.moe import _become
+    from sft.models.moe import become
     from sft.parallel.expert_parallel import _shard_by_expert, run_experts_across_ranks
 
     def experts() -> GroupedExperts:
@@ -372,7 +373,7 @@ def empty_experts_probe(env) -> dict:
         hf = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
         for param in hf.parameters():
             torch.nn.init.normal_(param, std=0.2)
-        _become(hf, GroupedExperts)
+        become(hf, GroupedExperts)
         return hf
 
     generator = torch.Generator().manual_seed(env.rank)

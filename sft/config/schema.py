@@ -189,6 +189,9 @@ class ACConfig:
     input (256k tokens of a 4096-wide model: 2 GiB a block); costs two copies a block and step over
     PCIe, and host memory per GPU of tokens x hidden x 2 bytes, rounded up to a power of two, per
     checkpointed block (python -m sft.plan counts it). Needs ac.ratio > 0."""
+    mlp_tile_tokens: int = 0
+    """Dense MLPs run this many tokens of a row at a time, rerun tile by tile in backward: no row-long MLP
+    intermediate, for one more MLP forward a step (0 = off; e.g. 16384 at 64k+; docs/long-context.md)."""
 
 
 @dataclass

@@ -153,7 +153,7 @@ class SparseMoE:
 _SUBCLASSES: dict[tuple[type, type], type] = {}
 
 
-def _become(module: nn.Module, ours: type) -> None:
+def become(module: nn.Module, ours: type) -> None:
     """Make `module` an instance of a subclass of its own class with `ours` first: its state, names
     and methods stay; `ours` overrides forward. One subclass per class, so every block of a model is
     of one class (one compiled graph)."""
@@ -241,10 +241,10 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         router_name = _router(block)
         router = block.get_submodule(router_name)
         router.requires_grad_(cfg.train_router)
-        _become(router, KeepsRouterLogits)
-        _become(block.experts, GroupedExperts)
+        become(router, KeepsRouterLogits)
+        become(block.experts, GroupedExperts)
         block.experts.run_experts = run_local_experts  # across the ep ranks: sft/parallel/expert_parallel.py
-        _become(block, SparseMoE)
+        become(block, SparseMoE)
         block.router_name, block.real_tokens, block.aux_scale, block.stats = router_name, None, None, None
         block.cp_group = None
         blocks.append(block)

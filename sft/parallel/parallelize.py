@@ -1,5 +1,5 @@
 """Parallelise a meta-device model, in the fixed order: context parallelism -> expert parallelism ->
-float8 -> activation checkpointing -> compile -> host offload of what checkpointing keeps -> FSDP2.
+float8 -> tiled MLPs -> activation checkpointing -> compile -> host offload of what checkpointing keeps -> FSDP2.
 
 The order matters: context parallelism only swaps the attention function, and expert parallelism
 places the experts on their ranks and swaps how rows reach them, before anything wraps or compiles
@@ -25,6 +25,7 @@ from sft.parallel.expert_parallel import apply_expert_parallel
 from sft.parallel.float8 import apply_float8
 from sft.parallel.fsdp import apply_fsdp
 from sft.parallel.mesh import ParallelDims
+from sft.parallel.tiled_mlp import apply_mlp_tiling
 
 if TYPE_CHECKING:
     from sft.adapters.lora import LoRA
@@ -55,6 +56,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
         apply_expert_parallel(moe, dims)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks, lora=lora)
+    if ac.mlp_tile_tokens:  # inside the checkpointed region: the recomputation tiles too
+        apply_mlp_tiling(blocks, ac.mlp_tile_tokens)
     blocks = apply_ac(model, blocks, ac, always_kept=moe.kept_ops if moe else frozenset(),
                       adapter_widths=lora.widths if lora else frozenset())
     if compile_blocks:

@@ -232,6 +232,8 @@ class Setting:
     ac_offload: bool = False
     """ac.offload: the checkpointed blocks' inputs wait in host memory (gone from the GPU's count;
     what op-level modes keep beyond them stays on the GPU)"""
+    mlp_tiled: bool = False
+    """ac.mlp_tile_tokens, with rows longer than a tile: the dense MLPs keep only their input"""
 
 
 def peak_bytes(s: Shapes, run: Setting) -> float:
@@ -255,6 +257,8 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
     if run.float8:
         per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
+    if run.mlp_tiled and not s.top_k:  # gate, up and their product live for one tile at a time only
+        per_token_layer -= 2 * (3 if run.compiled else 4) * s.ffn
     per_token_layer += moe_bytes_per_token(s, run.ep)
     if run.ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
         per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if run.compiled else 4)) * s.ffn
@@ -368,6 +372,7 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
     run = Setting(dims.shard_ranks, tokens, tokens // 2, ac_ratio, cfg.compile.enabled, cfg.fsdp.reshard_after_forward,
                   grad_accum, cfg.fsdp.cpu_offload, float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep,
                   state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize,
-                  DTYPES[cfg.fsdp.param_dtype].itemsize, cfg.ac.offload)
+                  DTYPES[cfg.fsdp.param_dtype].itemsize, cfg.ac.offload,
+                  0 < cfg.ac.mlp_tile_tokens < cfg.data.max_seq_len // dims.cp)
     return peak_bytes(s, run) / GIB
 

@@ -49,6 +49,8 @@ EQUIVALENT = [
     ("deferred gradient sync", "untied", 2, ["--grad-accum", "2", "--deferred-sync"], 1e-5, 1e-7),
     ("ZeRO-2 (reshard_after_forward=false)", "untied", 2, ["--grad-accum", "2", "--zero2"], 1e-5, 1e-7),
     ("HSDP, 2 replicas x 1 shard", "untied", 2, ["--grad-accum", "2", "--replicate", "2"], 1e-5, 1e-7),
+    # MLPs 8 tokens at a time (rows of 12-47 tokens), inside checkpointed blocks: each tile rerun in backward
+    ("tiled MLPs, ac 1", "untied", 2, ["--grad-accum", "2", "--mlp-tile", "8", "--ac-ratio", "1"], 1e-5, 1e-7),
     # bf16 reduce-scatter: each gradient is rounded to bf16 (8 bits of mantissa) once per reduction
     # (relative error ~2**-8; gradients near zero get the absolute tolerance).
     ("bf16 gradient reduce", "untied", 2, ["--grad-accum", "2", "--reduce-dtype", "bfloat16"], 2e-2, 1e-3),

@@ -2,6 +2,7 @@
 (the bytes the planner counts), and what ac.offload moves to host memory. The gradients of every mode
 against no checkpointing: the distributed tables (tests/integration/test_distributed.py, AC_EQUAL_TO_NONE)."""
 
+import functools
 from collections import Counter
 
 import pytest
@@ -141,3 +142,64 @@ def test_offload_refuses_a_block_whose_input_it_cannot_move():
     rotary = model.model.rotary_emb(hidden, torch.arange(4)[None])
     with pytest.raises(ConfigError, match=r"ac.offload: .*DecoderLayer's input was not saved .*set ac.offload=false"):
         blocks[0](hidden_states=hidden, position_embeddings=rotary, attention_mask=None)
+
+
+def _kept(shapes: list, tensor: torch.Tensor) -> torch.Tensor:
+    shapes.append(tensor.shape)
+    return tensor
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients_and_keeps_only_its_input(lora_rank):
+    """ac.mlp_tile_tokens: an MLP run 8 tokens of a row at a time (rows of 21: an uneven last tile)
+    gives the untiled MLP's output, input gradient and weight (or adapter) gradients, and keeps for
+    backward nothing but its input; a row no longer than a tile takes the MLP's own forward."""
+    import copy
+
+    from sft.adapters.lora import apply_lora
+    from sft.config import LoRAConfig
+    from sft.parallel.tiled_mlp import apply_mlp_tiling
+
+    model = _demo_model()
+    if lora_rank:
+        apply_lora(model, decoder_blocks(model), LoRAConfig(rank=lora_rank), torch.float32)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02)  # B starts at zero: its A's gradient would be zero too
+    tiled = copy.deepcopy(model)
+    apply_mlp_tiling(decoder_blocks(tiled), 8)
+    x, probe = torch.randn(2, 21, model.config.hidden_size), torch.randn(2, 21, model.config.hidden_size)
+    results = []
+    for m in (model, tiled):
+        mlp = decoder_blocks(m)[0].mlp
+        inp = x.clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_kept, saved), lambda t: t):
+            out = mlp(inp)
+        (out * probe).sum().backward()
+        results.append((out, inp.grad, {n: p.grad for n, p in mlp.named_parameters() if p.requires_grad}, saved))
+    (out, grad, weights, _), (tiled_out, tiled_grad, tiled_weights, tiled_saved) = results
+    torch.testing.assert_close(tiled_out, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tiled_grad, grad, rtol=1e-5, atol=1e-6)
+    assert weights.keys() == tiled_weights.keys() and len(weights) == (6 if lora_rank else 3)
+    for name in weights:
+        torch.testing.assert_close(tiled_weights[name], weights[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert tiled_saved == [x.shape]  # the input alone, where the untiled MLP keeps gate, up and their product
+    short, saved = x[:, :8].clone().requires_grad_(True), []
+    with torch.autograd.graph.saved_tensors_hooks(functools.partial(_kept, saved), lambda t: t):
+        decoder_blocks(tiled)[0].mlp(short)
+    assert len(saved) > 1  # the MLP's own forward
+
+
+def test_mlp_tiling_refuses_blocks_without_a_dense_mlp():
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import ConfigError
+    from sft.parallel.tiled_mlp import apply_mlp_tiling
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(ConfigError, match=r"^ac.mlp_tile_tokens=8: the decoder blocks have no dense MLP to tile"):
+        apply_mlp_tiling(decoder_blocks(model), 8)

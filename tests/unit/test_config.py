@@ -34,6 +34,7 @@ def test_overrides_beat_yaml_and_parse_numbers(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("ac.ratio=1.5", "ac.ratio=1.5: must be in [0, 1]"),
     ("ac.offload=true", "ac.offload=True: keeps the checkpointed blocks' inputs in host memory: set ac.ratio > 0"),
+    ("ac.mlp_tile_tokens=-1", "ac.mlp_tile_tokens=-1: must be >= 0 (0 = off)"),
     ("optim.lr=0", "optim.lr=0.0: must be > 0"),
     ("optim.lr=inf", "optim.lr='inf': expected a finite number"),
     ("optim.eps=nan", "optim.eps='nan': expected a finite number"),
