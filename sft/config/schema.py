@@ -360,7 +360,7 @@ class PlanConfig:
     train.micro_batch_size and train.grad_accum_steps, keeping the global batch: the least
     recomputation that fits with room to spare for the allocator (sft/plan/search.py:suggest);
     where nothing fits at the configured cp.degree, ac.offload (if the node's host memory holds the
-    blocks' inputs), then a larger cp.degree."""
+    blocks' inputs), then tiled MLPs (ac.mlp_tile_tokens), then a larger cp.degree."""
     gpu_mem_gib: float | None = None
     """Memory per GPU to plan for (default: the GPU's total memory). Set, it also lets plan.auto
     choose without a GPU (e.g. to see its choice on a CPU machine)."""

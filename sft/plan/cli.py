@@ -18,7 +18,7 @@ from sft.plan.host import host_gib_per_node, offloaded_block_bytes_per_rank
 from sft.plan.memory import (DEFAULT_GPUS_PER_NODE, GIB, ROUTED_USABLE_FRACTION, USABLE_FRACTION, Machine, Shapes,
                              gpus_text, predict_fit, predict_gib)
 from sft.plan.search import (AC_SETTINGS, MICRO_BATCHES, ac_label, as_overrides, host_refusal, nothing_fits,
-                             offload_choice, roomier_layout, smallest_cp, suggest, text_of)
+                             long_row_choice, roomier_layout, smallest_cp, suggest, text_of)
 
 # Shapes (config.json only) of the models the configs name, for planning where the hub is not reachable.
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -80,12 +80,13 @@ def plan(cfg: Config, m: Machine, host_mem_note: str = "") -> tuple[str, bool]:
         _, _, micro, accum = choice
         global_batch = ParallelDims.of(cfg, m.gpus).global_batch(micro, accum)
         lines.append(f"suggested: {as_overrides(*choice)} (global batch {global_batch})")
-    elif offload := offload_choice(s, cfg, m):
-        offload_cfg, offload_setting = offload
-        ratio, mode, micro, _ = offload_setting
-        lines.append(f"it fits with: ac.offload=true {as_overrides(*offload_setting)} "
-                     f"({predict_gib(s, offload_cfg, m.gpus, micro, ratio, mode):.1f} GiB per GPU and "
-                     f"{host_gib_per_node(s, offload_cfg, m, micro, ratio):.1f} GiB of host memory per node "
+    elif long_rows := long_row_choice(s, cfg, m):
+        long_cfg, setting, overrides = long_rows
+        ratio, mode, micro, _ = setting
+        host = (f" and {host_gib_per_node(s, long_cfg, m, micro, ratio):.1f} GiB of host memory per node"
+                if long_cfg.ac.offload else "")
+        lines.append(f"it fits with: {text_of(overrides)} {as_overrides(*setting)} "
+                     f"({predict_gib(s, long_cfg, m.gpus, micro, ratio, mode):.1f} GiB per GPU{host} "
                      "predicted; plan.auto chooses it)")
     else:
         host = host_refusal(s, cfg, m)

@@ -91,17 +91,30 @@ def _with_offload(cfg: Config) -> Config:
     return dataclasses.replace(cfg, ac=dataclasses.replace(cfg.ac, offload=True, ratio=1.0))
 
 
-def offload_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[float, str, int, int]] | None:
-    """Where nothing fits `cfg`'s GPUs (at its cp.degree) with the blocks' inputs on them: `cfg` with
-    ac.offload on and suggest's choice there, if one fits the GPUs and the host; else None. Tried before
-    a larger cp.degree, expert parallelism or leaner state: the same numerics, rows and global batch (a
-    cp group trains one row on several GPUs), for 3% of the step at 32k tokens on one H200
-    (docs/long-context.md)."""
-    candidate = _with_offload(cfg)
-    if cfg.ac.offload or range_checks(candidate, local_checks=False):
-        return None
-    choice = suggest(s, candidate, m)
-    return (candidate, choice) if choice else None
+# The tiles plan.auto runs dense MLPs in where rows do not fit otherwise (ac.mlp_tile_tokens)
+MLP_TILE_TOKENS = 16384
+# What holds longer rows on the same GPUs, in the order plan.auto tries it: the blocks' inputs in host
+# memory (3% of the step at 32k tokens on one H200), tiled MLPs (22% at 64k: one more MLP forward, eager
+# blocks), both (docs/long-context.md)
+LONG_ROW_STEPS = ({"ac.offload": True}, {"ac.mlp_tile_tokens": MLP_TILE_TOKENS},
+                  {"ac.offload": True, "ac.mlp_tile_tokens": MLP_TILE_TOKENS})
+
+
+def long_row_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[float, str, int, int], dict] | None:
+    """Where nothing fits `cfg`'s GPUs (at its cp.degree): the first of LONG_ROW_STEPS the config does not
+    have yet with which suggest's choice fits the GPUs and the host, as (config, choice, overrides); else
+    None. Tried before a larger cp.degree, expert parallelism or leaner state: the same numerics, rows and
+    global batch (a cp group trains one row on several GPUs)."""
+    for step in LONG_ROW_STEPS:
+        candidate = _with_offload(cfg) if step.get("ac.offload") else copy.deepcopy(cfg)
+        _set(candidate, step)
+        if candidate.ac == cfg.ac or (cfg.ac.offload and not step.get("ac.offload")) or \
+                range_checks(candidate, local_checks=False):
+            continue  # nothing new, or refused (tiles with lora.dropout)
+        if choice := suggest(s, candidate, m):
+            return candidate, choice, {key: value for key, value in step.items()
+                                       if getattr(cfg.ac, key.split(".")[1]) != value}
+    return None
 
 
 def host_refusal(s: Shapes, cfg: Config, m: Machine) -> str | None:
@@ -118,7 +131,8 @@ def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
     """What to change where no setting fits the GPUs; where ac.offload would fit them but not the host, the
     host memory it would need."""
     offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
-        "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ")
+        "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ") + (
+        "" if cfg.ac.mlp_tile_tokens or s.top_k else f"ac.mlp_tile_tokens={MLP_TILE_TOKENS}, ")
     offloaded = _with_offload(cfg)
     # what plan.auto would choose with ac.offload on a node of unbounded host memory, and what it needs there
     choice = None if cfg.ac.offload else suggest(s, offloaded, dataclasses.replace(m, host_mem_gib=math.inf))
@@ -136,7 +150,9 @@ def _set(cfg: Config, overrides: dict) -> None:
 
 
 def text_of(overrides: dict) -> str:
-    return " ".join(f"{key}={value}" for key, value in overrides.items())
+    """As command-line overrides (YAML's true/false)."""
+    return " ".join(f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+                    for key, value in overrides.items())
 
 
 def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tuple[Config, tuple | None, dict] | None:
@@ -173,15 +189,18 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
 
 def apply_auto_plan(cfg: Config, gpus: int, gpu_mem_gib: float, host_mem_gib: float | None = None,
                     gpus_per_node: int | None = None) -> str:
-    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; ac.offload, then
-    cp.degree, where rows do not fit at the configured one; where still nothing fits, expert parallelism (MoE) and,
-    if plan.allow_lean_state, the optimizer's bf16 state (roomier_layout); return a log line.
-    Host defaults as in Machine.of: train.py runs on one of the job's nodes."""
+    """plan.auto: set ac.ratio / micro-batch / grad-acc in `cfg` from the planner; ac.offload or tiled
+    MLPs (long_row_choice), then cp.degree, where rows do not fit at the configured one; where still
+    nothing fits, expert parallelism (MoE) and, if plan.allow_lean_state, the optimizer's bf16 state
+    (roomier_layout); return a log line. Host defaults as in Machine.of: train.py runs on one of the
+    job's nodes."""
     shapes = Shapes.of(build_meta_model(cfg.model), cfg.lora)
     m = Machine.of(gpus, gpu_mem_gib, host_mem_gib, gpus_per_node)
     choice, note = suggest(shapes, cfg, m), ""
-    if choice is None and (offload := offload_choice(shapes, cfg, m)):
-        cfg.ac.offload, choice, note = True, offload[1], "ac.offload=true "
+    if choice is None and (long_rows := long_row_choice(shapes, cfg, m)):
+        _, choice, overrides = long_rows
+        _set(cfg, overrides)
+        note = text_of(overrides) + " "
     degree = smallest_cp(shapes, cfg, m) if choice is None else None
     if degree is not None and degree > cfg.cp.degree:
         # Rows do not fit at the configured degree: split them over more GPUs (fewer data-parallel

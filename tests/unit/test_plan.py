@@ -248,12 +248,15 @@ def test_planner_never_splits_rows_of_a_model_context_parallelism_refuses(monkey
 # where the node holds them (the same rows, global batch and numerics), else splits the rows over a cp
 # group. (GPUs, GiB per GPU, host GiB per node, tokens per row, LoRA rank) -> (ac.offload, cp.degree, ac.ratio),
 # and the log line's start.
+# (GPUs, GiB each, host GiB, row, lora.rank) -> (ac.offload, ac.mlp_tile_tokens, cp.degree, ac.ratio), plan.auto's line:
+# the blocks' inputs to the host first, then tiled MLPs where the host is too small, then context parallelism
 AUTO_LONG_ROWS = [
-    (2, 79.1, 1000, 65536, 0, (True, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
-    (2, 79.1, 16, 65536, 0, (False, 2, 1.0), "plan.auto: cp.degree=2 ac.ratio=1 "),
+    (2, 79.1, 1000, 65536, 0, (True, 0, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
+    (2, 79.1, 16, 65536, 0, (False, 16384, 1, 1.0), "plan.auto: ac.mlp_tile_tokens=16384 ac.ratio=1 "),
+    (4, 79.1, 16, 196608, 0, (False, 0, 4, 1.0), "plan.auto: cp.degree=4 ac.ratio=1 "),  # tiles do not fit either
     # one H200, P-7B's model with LoRA on 384k-token rows: 158.8 GiB without offload, 81.6 with (114 GiB of host)
-    (1, 139.8, 128, 393216, 16, (True, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
-    (1, 139.8, 32768, 4096 * 2, 16, (False, 1, 0.0), "plan.auto: ac.ratio=0 "),  # fits without: stays off
+    (1, 139.8, 128, 393216, 16, (True, 0, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
+    (1, 139.8, 32768, 4096 * 2, 16, (False, 0, 1, 0.0), "plan.auto: ac.ratio=0 "),  # fits without: stays off
 ]
 
 
@@ -266,7 +269,7 @@ def test_auto_plan_offloads_or_splits_rows_that_do_not_fit(gpus, gib, host, toke
                                                         "train.micro_batch_size=1", f"lora.rank={rank}"],
                       local_checks=False)
     said = apply_auto_plan(cfg, gpus=gpus, gpu_mem_gib=gib, host_mem_gib=host)
-    assert (cfg.ac.offload, cfg.cp.degree, cfg.ac.ratio) == chosen
+    assert (cfg.ac.offload, cfg.ac.mlp_tile_tokens, cfg.cp.degree, cfg.ac.ratio) == chosen
     assert said.startswith(line)
 
 
