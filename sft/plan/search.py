@@ -263,6 +263,10 @@ def check_fits(cfg: Config, world_size: int, gpu_mem_gib: float, host_mem_gib: f
     problems = [] if fits else [f"{predicted:.0f} GiB per GPU, more than {fraction:.0%} of {gpu_mem_gib:.0f} GiB GPUs"]
     if host_problem(s, cfg, m):
         problems.append(f"{host_gib_per_node(s, cfg, m):.0f} GiB of host memory per node for {m.host_mem_gib:.0f} GiB")
+    if cfg.ac.offload and not cfg.data.packing and cfg.data.pad_to != "max_seq_len":
+        # PyTorch's pinned cache keeps a block of every size the rows' inputs needed (docs/long-context.md)
+        problems.append("rows of every length with ac.offload, whose host copies may take up to twice the host "
+                        "memory counted (set data.packing=true or data.pad_to=max_seq_len)")
     if not problems:
         return None
     return (f"warning: the memory planner predicts {' and '.join(problems)}; see `python -m sft.plan --config "

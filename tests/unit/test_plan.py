@@ -396,6 +396,20 @@ def test_offload_host_budget_is_refused(tmp_path):
     assert check_fits(cfg, 16, 80, host_mem_gib=need + 1, gpus_per_node=8) is None
 
 
+@pytest.mark.parametrize("data, warned", [([], True), (["data.packing=true"], False),
+                                          (["data.pad_to=max_seq_len"], False)], ids=["varying", "packed", "padded"])
+def test_offloaded_rows_of_every_length_are_warned_of(at_repo, data, warned):
+    """ac.offload keeps a pinned block of every size the rows needed: rows neither packed nor padded
+    to one length may take up to twice the host memory counted."""
+    from sft.config import load_config
+    from sft.plan import check_fits
+
+    cfg = load_config("configs/bench/p7b.yaml", ["data.path=unused.parquet", "data.pad_to=longest", "lora.rank=16",
+                                                 "ac.ratio=1", "ac.offload=true", *data], local_checks=False)
+    warning = check_fits(cfg, 1, 139.8, host_mem_gib=1024)
+    assert (warning is not None and "rows of every length with ac.offload" in warning) is warned
+
+
 def test_cli_plans_offload_on_a_machine_without_gpus(at_repo, capsys):
     def plan(*overrides):
         status, out = plan_cli(capsys, "--config", "configs/qwen72b.yaml", "--gpus", "8", "--gpu-mem", "80",
