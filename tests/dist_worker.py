@@ -30,6 +30,7 @@ from sft.models.architecture import decoder_blocks
 from sft.models.build import build_meta_model, clean_name, materialize, real_buffers
 from sft.hub.weights import initial_weights, load_weights
 from sft.models.nf4 import is_nf4
+from sft.parallel.tiled_mlp import TiledMLP
 from sft.hub.layout import is_adapter
 from sft.training.model import build_training_model
 from sft.training.optim import build_optimizer, clip_grad_norm
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace, env) -> dict:
             result["aux_loss"] = moe.summary(stats)["aux_loss"]
         named = dict(model.named_parameters())
         result["host_offloaded_blocks"] = sum(isinstance(m, _host_offloaded_block_class()) for m in model.modules())
+        result["tiled_mlps"] = sum(isinstance(m, TiledMLP) for m in model.modules())
         result["shard_dtypes"] = sorted({str(p.to_local().dtype) for p in named.values() if p.requires_grad})
         result["frozen_shard_dtypes"] = sorted({str(local_part(p).dtype) for p in named.values() if not p.requires_grad})
         result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]
@@ -365,7 +367,7 @@ def empty_experts_probe(env) -> dict:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     from sft.models.experts import GroupedExperts, run_local_experts
-    from sft.models.moe import become
+    from sft.models.architecture import become
     from sft.parallel.expert_parallel import _shard_by_expert, run_experts_across_ranks
 
     def experts() -> GroupedExperts:

@@ -21,7 +21,8 @@ training starts from the base model exactly. Everything else is frozen too, but 
   for these (target_parameters) is written and read by sft/adapters/peft_format.py.
 * FSDP2 shards frozen and trainable parameters of a block in one unit; only the adapters' gradients
   are reduce-scattered. QLoRA's NF4 weights are the exception: every rank holds them whole
-  (`nf4_parameters`).
+  (`nf4_parameters`); on one GPU FSDP leaves the whole frozen base alone (sft/parallel/fsdp.py:
+  whole_frozen).
 """
 
 from __future__ import annotations

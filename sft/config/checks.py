@@ -38,9 +38,6 @@ def range_checks(cfg: Config, local_checks: bool) -> list[str]:
     check(not cfg.ac.offload or cfg.ac.ratio > 0 or cfg.plan.auto, "ac.offload", cfg.ac.offload,
           "keeps the checkpointed blocks' inputs in host memory: set ac.ratio > 0 too (or plan.auto=true)")
     check(cfg.ac.mlp_tile_tokens >= 0, "ac.mlp_tile_tokens", cfg.ac.mlp_tile_tokens, "must be >= 0 (0 = off)")
-    check(not (cfg.ac.mlp_tile_tokens and cfg.lora.rank and cfg.lora.dropout), "ac.mlp_tile_tokens",
-          cfg.ac.mlp_tile_tokens, f"reruns each MLP tile in backward, where lora.dropout={cfg.lora.dropout} would "
-          "drop other inputs than the forward did; set lora.dropout=0 or ac.mlp_tile_tokens=0")
     check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "must be > 0")
     check(0 <= cfg.optim.min_lr <= cfg.optim.lr, "optim.min_lr", cfg.optim.min_lr, "must be in [0, optim.lr]")
     check(0.0 <= cfg.optim.warmup_ratio < 1.0, "optim.warmup_ratio", cfg.optim.warmup_ratio, "must be in [0, 1)")

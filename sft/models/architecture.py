@@ -76,3 +76,18 @@ def decoder_blocks(model: PreTrainedModel) -> list[nn.Module]:
         raise UserError(f"{type(model).__name__}: cannot find its decoder blocks "
                         f"(_no_split_modules={sorted(names)}); this architecture is not supported")
     return blocks
+
+
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def become(module: nn.Module, ours: type) -> None:
+    """Make `module` an instance of a subclass of its own class with `ours` first: its state, names
+    and methods stay; `ours` overrides forward (our MoE blocks, tiled MLPs). One subclass per class,
+    so every block of a model is of one class (one compiled graph)."""
+    cls = type(module)
+    if isinstance(module, ours):  # already ours (applied again)
+        return
+    if (ours, cls) not in _SUBCLASSES:
+        _SUBCLASSES[ours, cls] = type(cls.__name__, (ours, cls), {"__module__": cls.__module__})
+    module.__class__ = _SUBCLASSES[ours, cls]

@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from sft.config import MoEConfig
 from sft.errors import UserError
-from sft.models.architecture import text_config
+from sft.models.architecture import become, text_config
 from sft.models.experts import GroupedExperts, run_local_experts
 
 
@@ -148,21 +148,6 @@ class SparseMoE:
         # recomputation (skip_fwd_side_effects_in_bwd_under_checkpoint, set in apply_moe).
         self.stats = torch.cat([aux.detach().view(1), load])
         return (out, *output[1:]) if isinstance(output, tuple) else out
-
-
-_SUBCLASSES: dict[tuple[type, type], type] = {}
-
-
-def become(module: nn.Module, ours: type) -> None:
-    """Make `module` an instance of a subclass of its own class with `ours` first: its state, names
-    and methods stay; `ours` overrides forward. One subclass per class, so every block of a model is
-    of one class (one compiled graph)."""
-    cls = type(module)
-    if isinstance(module, ours):  # already ours (apply_moe again)
-        return
-    if (ours, cls) not in _SUBCLASSES:
-        _SUBCLASSES[ours, cls] = type(cls.__name__, (ours, cls), {"__module__": cls.__module__})
-    module.__class__ = _SUBCLASSES[ours, cls]
 
 
 def eager_expert_widths(model: nn.Module) -> int:

@@ -145,6 +145,8 @@ def _selective_context(mode: ACMode, always_kept: frozenset, adapter_widths: fro
         return any(type(width) is int and width in adapter_widths for width in (a.shape[-1], b.shape[-1]))
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if not torch.is_grad_enabled():  # nothing to keep for a backward (a tiled MLP's no-grad tiles)
+            return CheckpointPolicy.PREFER_RECOMPUTE
         if func in matmuls and mode.keep_every_matmul is not None and adapters(func, args):
             keep = False
         elif func in matmuls and mode.keep_every_matmul is not None:

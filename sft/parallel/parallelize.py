@@ -43,11 +43,12 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, ac: ACConfig, compile_blocks: bool,
                 fsdp: FSDPConfig, float8: str = "none", moe: MoE | None = None, lora: LoRA | None = None,
                 root: nn.Module | None = None) -> None:
-    """context parallelism -> expert parallelism -> float8 -> AC -> compile -> offload -> FSDP on a meta-device
-    model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
+    """context parallelism -> expert parallelism -> float8 -> tiled MLPs -> AC -> compile -> offload -> FSDP
+    on a meta-device model, over the mesh of `dims` (see the module docstring for why this order). `float8` is
     precision.float8; `moe` the handle apply_moe returned (its routing is kept under checkpointing,
     its experts placed by expert parallelism and sharded by its placement); `lora` the handle
-    apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole);
+    apply_lora returned (float8 then runs only the frozen base matmuls; FSDP leaves NF4 weights whole, and
+    on one GPU the whole frozen base);
     `root` the module FSDP's root unit wraps (the loss that holds the model's children; the model itself by
     default)."""
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet

@@ -99,6 +99,7 @@ class Shapes:
     block_trained: int | None = None
     block_trained_experts: int | None = None  # of block_trained: the routed experts' (their adapters)
     head_trained: bool = True
+    root_trained: int | None = None  # of root_params (embeddings, final norm, lm_head): those that train
     nf4_params: int = 0
     block_nf4: int = 0
     largest_nf4: int = 0
@@ -133,6 +134,8 @@ class Shapes:
                 block_trained_experts=sum(p.numel() for n, p in largest.named_parameters()
                                           if p.requires_grad and ".experts." in n),
                 head_trained=model.get_output_embeddings().weight.requires_grad,
+                root_trained=sum(p.numel() for p in model.parameters() if p.requires_grad)
+                - sum(p.numel() for block in decoder_blocks(model) for p in block.parameters() if p.requires_grad),
                 nf4_params=sum(nf4), block_nf4=sum(p.numel() for p in block_nf4), largest_nf4=max(nf4, default=0))
         text = text_config(model.config)
         params = sum(p.numel() for p in model.parameters())
@@ -232,36 +235,47 @@ class Setting:
     ac_offload: bool = False
     """ac.offload: the checkpointed blocks' inputs wait in host memory (gone from the GPU's count;
     what op-level modes keep beyond them stays on the GPU)"""
-    mlp_tiled: bool = False
-    """ac.mlp_tile_tokens, with rows longer than a tile: the dense MLPs keep only their input"""
+    mlp_tile: int = 0
+    """ac.mlp_tile_tokens x the micro-batch's rows, where rows are longer than a tile (else 0): the
+    tokens one tile spans; the dense MLPs keep only their input"""
+
+
+def _gathered_bytes(s: Shapes, run: Setting, compiled: bool) -> float:
+    """The weights FSDP holds gathered at once, in fsdp.param_dtype: the current block and the
+    prefetched one, or with reshard_after_forward=False (ZeRO-2) every block from its forward to its
+    backward, and the root. QLoRA: the NF4 weights are never gathered (every rank holds them), one at a
+    time dequantised to bf16 (eager, torchao's dequantisation holds its int64 indices meanwhile:
+    NF4_EAGER_DEQUANT_BYTES a value). Sharded over one rank on the GPU, FSDP gathers only the trained
+    weights (sft/parallel/fsdp.py: whole_frozen)."""
+    trained_only = run.shard_ranks == 1 and not run.cpu_offload
+    block = (s.block_trained_params if trained_only else
+             s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / run.ep))
+    root_trained = s.root_params if s.root_trained is None else s.root_trained
+    root = root_trained if trained_only else s.root_params
+    dequantised = (run.weight_bytes if compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
+    return run.weight_bytes * ((2 if run.reshard_after_forward else s.layers) * block + root) + dequantised
 
 
 def peak_bytes(s: Shapes, run: Setting) -> float:
     """Predicted peak allocated bytes on one GPU of the model of shapes `s` under `run`."""
-    # bf16 blocks gathered at once: the current and the prefetched one, or with
-    # reshard_after_forward=False (ZeRO-2) every block from its forward to its backward. QLoRA: the
-    # NF4 weights are never gathered (every rank holds them), one at a time dequantised to bf16 (eager,
-    # torchao's dequantisation holds its int64 indices meanwhile: NF4_EAGER_DEQUANT_BYTES a value).
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
-    # Sharded over one rank on the GPU, FSDP gathers only the trained weights (sft/parallel/fsdp.py: whole_frozen).
-    trained_only = run.shard_ranks == 1 and not run.cpu_offload
-    block_bytes = run.weight_bytes * (s.block_trained_params if trained_only else
-                                      s.block_params - s.block_nf4 - s.block_experts * (1 - 1 / run.ep))
-    root_gathered = s.root_params if s.head_trained or not trained_only else 0
-    dequantised = (run.weight_bytes if run.compiled else NF4_EAGER_DEQUANT_BYTES) * s.largest_nf4
-    blocks_gathered = 2 if run.reshard_after_forward else s.layers
-    gathered = blocks_gathered * block_bytes + run.weight_bytes * root_gathered + dequantised
-    if run.compiled:
+    # Tiled MLPs (sft/parallel/tiled_mlp.py): their tiles' backward is a graph break, which sends a
+    # checkpointed block to eager whole; their intermediates live for one tile, in forward and backward.
+    tiled = bool(run.mlp_tile) and not s.top_k
+    compiled = run.compiled and not (tiled and run.ac_ratio > 0)
+    tile_bytes = 2 * 6 * s.ffn * run.mlp_tile if tiled else 0  # gate, up, product and their gradients
+    gathered = _gathered_bytes(s, run, compiled) + tile_bytes
+    if compiled:
         per_token_layer = 2 * (5 * s.hidden + 3 * s.ffn + 2 * s.kv_dim)
     else:
         per_token_layer = 2 * (10 * s.hidden + 4 * s.ffn + 4 * s.kv_dim)
-    if run.float8:
-        per_token_layer -= 3 * s.hidden + s.ffn  # the Linear inputs: q/k/v, o, gate/up, down
-    if run.mlp_tiled and not s.top_k:  # gate, up and their product live for one tile at a time only
-        per_token_layer -= 2 * (3 if run.compiled else 4) * s.ffn
+    if run.float8:  # the Linear inputs kept in float8: q/k/v, o, gate/up, down (a tiled MLP keeps its input in bf16)
+        per_token_layer -= 2 * s.hidden if tiled else 3 * s.hidden + s.ffn
+    if tiled:
+        per_token_layer -= 2 * (3 if compiled else 4) * s.ffn
     per_token_layer += moe_bytes_per_token(s, run.ep)
     if run.ep > 1:  # the experts run eagerly, outside the compiled block: their activations' intermediates too
-        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if run.compiled else 4)) * s.ffn
+        per_token_layer += 2 * max(0, s.eager_expert_widths - (3 if compiled else 4)) * s.ffn
     # A hybrid's Gated DeltaNet and attention blocks keep different amounts: each block not checkpointed
     # keeps its kind's, the block recomputed the largest of the checkpointed ones' kinds.
     attention_layer, delta_layer = layer_bytes_by_kind(s, per_token_layer)
@@ -275,8 +289,8 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     # bytes per token of a row's gathered K and V (bf16; sft/parallel/context_parallel.py)
     gathered_kv = 2 * 2 * s.kv_dim
     per_token_layer += (run.cp - 1) * gathered_kv  # the other ranks' share
-    kept = 2 * s.hidden if run.ac_mode == "blocks" else kept_bytes_per_token(s, run.compiled, run.ac_mode)
-    if run.ac_mode == "blocks" and run.compiled and run.cp > 1:
+    kept = 2 * s.hidden if run.ac_mode == "blocks" else kept_bytes_per_token(s, compiled, run.ac_mode)
+    if run.ac_mode == "blocks" and compiled and run.cp > 1:
         # Measured at 128k-token rows (cp 2 and cp 4, docs/BENCHMARKS.md issue #25): compiled
         # whole-block checkpointing peaks 7-8 GiB above its blocks' inputs and one block's
         # recomputation, the size of every block's all-gathered K/V (the whole row's, cp x this
@@ -373,6 +387,7 @@ def predict_gib(s: Shapes, cfg: Config, gpus: int, micro_batch: int, ac_ratio: f
                   grad_accum, cfg.fsdp.cpu_offload, float8_saves_inputs(cfg), ac_mode, dims.cp, dims.ep,
                   state_bytes(cfg.optim), DTYPES[cfg.fsdp.reduce_dtype].itemsize,
                   DTYPES[cfg.fsdp.param_dtype].itemsize, cfg.ac.offload,
-                  0 < cfg.ac.mlp_tile_tokens < cfg.data.max_seq_len // dims.cp)
+                  cfg.ac.mlp_tile_tokens * micro_batch if 0 < cfg.ac.mlp_tile_tokens < cfg.data.max_seq_len // dims.cp
+                  else 0)
     return peak_bytes(s, run) / GIB
 

@@ -92,6 +92,7 @@ def test_fsdp_equals_single_process_reference(runs, name, tie, nproc, flags, rto
     assert run["grad_norm"] == pytest.approx(ref_norm, rel=rtol)
     assert run["shard_dtypes"] == ["torch.float32"] and run["moment_dtypes"] == ["torch.float32"]
     assert run["tied_after_step"] is (tie == "tied")
+    assert run["tiled_mlps"] == (4 if "--mlp-tile" in flags else 0)  # the demo model's four blocks
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import DEMO_MODEL, OpCounter
-from sft.config import ACConfig, ModelConfig
+from sft.config import AC_MODES, ACConfig, ModelConfig
 from sft.models.architecture import decoder_blocks
 from sft.models.build import build_meta_model, clean_name
 from sft.parallel.activation_checkpointing import _HostOffload, apply_ac, apply_host_offload, kept_bytes_per_token
@@ -192,6 +192,66 @@ def test_a_tiled_mlp_gives_the_mlps_outputs_and_gradients_and_keeps_only_its_inp
     assert len(saved) > 1  # the MLP's own forward
 
 
+def test_a_tiled_mlp_with_dropout_reruns_its_tiles_with_the_forwards_masks():
+    """GPT-2's MLP drops out its output (resid_pdrop): the tiles' rerun in backward draws the masks the
+    forward drew, so the gradients are those of the forward that ran (each tile through plain autograd
+    from the same random state), not of other masks."""
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.parallel.tiled_mlp import apply_mlp_tiling
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt2", resid_pdrop=0.5))
+    mlp = decoder_blocks(model)[0].mlp
+    x, probe = torch.randn(2, 20, model.config.hidden_size), torch.randn(2, 20, model.config.hidden_size)
+    apply_mlp_tiling(decoder_blocks(model), 8)
+    grads = []
+    for tiled in (False, True):
+        torch.manual_seed(1)
+        inp = x.clone().requires_grad_(True)
+        out = mlp(inp) if tiled else torch.cat([mlp.untiled_forward(part.contiguous())
+                                                for part in inp.split(8, dim=1)], dim=1)
+        (out * probe).sum().backward()
+        grads.append((out.detach(), inp.grad, {n: p.grad.clone() for n, p in mlp.named_parameters()}))
+        mlp.zero_grad()
+    (ref_out, ref_x, ref_w), (out, grad_x, grad_w) = grads
+    torch.testing.assert_close(out, ref_out)  # the same masks in the forward
+    assert (out == 0).float().mean() > 0.3  # dropout at work
+    torch.testing.assert_close(grad_x, ref_x, rtol=1e-5, atol=1e-6)
+    for name in ref_w:
+        torch.testing.assert_close(grad_w[name], ref_w[name], rtol=1e-5, atol=1e-6)
+
+
+def test_mlp_tiling_refuses_an_mlp_that_takes_more_than_the_hidden_states():
+    from helpers import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from sft.config import ConfigError
+    from sft.parallel.tiled_mlp import apply_mlp_tiling
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("bloom"))
+    with pytest.raises(ConfigError, match=r"^ac.mlp_tile_tokens=8: BloomMLP takes hidden_states, residual, not the "):
+        apply_mlp_tiling(decoder_blocks(model), 8)
+
+
+def test_selective_checkpointing_keeps_nothing_run_without_gradients():
+    """A tiled MLP's forward runs its tiles without gradients inside a checkpointed block: an op-level
+    mode must not keep their matmuls' outputs, which nothing reads (its backward reruns the tiles)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from sft.parallel.activation_checkpointing import _selective_context
+
+    forward_context, _ = _selective_context(AC_MODES["ops"], frozenset(), frozenset())
+    policy = forward_context.policy_fn
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    ctx = type("Ctx", (), {"is_recompute": False})()
+    assert policy(ctx, torch.ops.aten.mm.default, a, b) == CheckpointPolicy.MUST_SAVE
+    with torch.no_grad():
+        assert policy(ctx, torch.ops.aten.mm.default, a, b) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def test_mlp_tiling_refuses_blocks_without_a_dense_mlp():
     from helpers import tiny_config
     from transformers import AutoModelForCausalLM
@@ -201,5 +261,5 @@ def test_mlp_tiling_refuses_blocks_without_a_dense_mlp():
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
-    with pytest.raises(ConfigError, match=r"^ac.mlp_tile_tokens=8: the decoder blocks have no dense MLP to tile"):
+    with pytest.raises(ConfigError, match=r"^ac.mlp_tile_tokens=8: the decoder blocks have no dense MLP \("):
         apply_mlp_tiling(decoder_blocks(model), 8)

@@ -252,7 +252,8 @@ def test_planner_never_splits_rows_of_a_model_context_parallelism_refuses(monkey
 # the blocks' inputs to the host first, then tiled MLPs where the host is too small, then context parallelism
 AUTO_LONG_ROWS = [
     (2, 79.1, 1000, 65536, 0, (True, 0, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
-    (2, 79.1, 16, 65536, 0, (False, 16384, 1, 1.0), "plan.auto: ac.mlp_tile_tokens=16384 ac.ratio=1 "),
+    (2, 79.1, 16, 57344, 0, (False, 16384, 1, 1.0), "plan.auto: ac.mlp_tile_tokens=16384 ac.ratio=1 "),
+    (2, 79.1, 16, 65536, 0, (False, 0, 2, 1.0), "plan.auto: cp.degree=2 ac.ratio=1 "),  # tiles do not fit either
     (4, 79.1, 16, 196608, 0, (False, 0, 4, 1.0), "plan.auto: cp.degree=4 ac.ratio=1 "),  # tiles do not fit either
     # one H200, P-7B's model with LoRA on 384k-token rows: 158.8 GiB without offload, 81.6 with (114 GiB of host)
     (1, 139.8, 128, 393216, 16, (True, 0, 1, 1.0), "plan.auto: ac.offload=true ac.ratio=1 "),
