@@ -110,7 +110,7 @@ def long_row_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[f
         _set(candidate, step)
         if candidate.ac == cfg.ac or (cfg.ac.offload and not step.get("ac.offload")) or \
                 range_checks(candidate, local_checks=False):
-            continue  # nothing new, or refused (tiles with lora.dropout)
+            continue  # nothing new, or refused by the config's checks
         if choice := suggest(s, candidate, m):
             return candidate, choice, {key: value for key, value in step.items()
                                        if getattr(cfg.ac, key.split(".")[1]) != value}
