@@ -89,18 +89,24 @@ def dense_mlps(blocks: list[nn.Module]) -> list[nn.Module]:
             and not hasattr(block.mlp, "experts")]
 
 
-def apply_mlp_tiling(blocks: list[nn.Module], tile_tokens: int) -> None:
-    """Tile the dense MLPs of `blocks` (each becomes an instance of a subclass of its own class, so
-    parameter names stay the model's); one error where the blocks have none, or one that takes more
-    than the hidden states."""
+def tiling_refusal(blocks: list[nn.Module]) -> str | None:
+    """Why the MLPs of `blocks` cannot be tiled (what follows "ac.mlp_tile_tokens=N: "), or None. The
+    planner asks too, so that plan.auto never tiles what the build refuses."""
     mlps = dense_mlps(blocks)
     if not mlps:
-        raise ConfigError(f"ac.mlp_tile_tokens={tile_tokens}: the decoder blocks have no dense MLP (an `mlp` module "
-                          "that is not a mixture-of-experts block) to tile; set ac.mlp_tile_tokens=0")
+        return "the decoder blocks have no dense MLP (an `mlp` module that is not a mixture-of-experts block) to tile"
     taken = [name for name in inspect.signature(type(mlps[0]).forward).parameters if name != "self"]
     if len(taken) != 1:
-        raise ConfigError(f"ac.mlp_tile_tokens={tile_tokens}: {type(mlps[0]).__name__} takes {', '.join(taken)}, "
-                          "not the hidden states alone, so it cannot be tiled; set ac.mlp_tile_tokens=0")
+        return f"{type(mlps[0]).__name__} takes {', '.join(taken)}, not the hidden states alone, so it cannot be tiled"
+    return None
+
+
+def apply_mlp_tiling(blocks: list[nn.Module], tile_tokens: int) -> None:
+    """Tile the dense MLPs of `blocks` (each becomes an instance of a subclass of its own class, so
+    parameter names stay the model's); one error where they cannot be tiled (tiling_refusal)."""
+    if refusal := tiling_refusal(blocks):
+        raise ConfigError(f"ac.mlp_tile_tokens={tile_tokens}: {refusal}; set ac.mlp_tile_tokens=0")
+    mlps = dense_mlps(blocks)
     for mlp in mlps:
         become(mlp, TiledMLP)
         mlp.tile_tokens = tile_tokens

@@ -35,6 +35,7 @@ from sft.models.nf4 import NF4_BYTES_PER_PARAMETER, NF4_EAGER_DEQUANT_BYTES
 from sft.models.packing import cp_unsupported
 from sft.parallel.activation_checkpointing import ac_block_indices, kept_bytes_per_token
 from sft.parallel.mesh import ParallelDims
+from sft.parallel.tiled_mlp import tiling_refusal
 
 GIB = 2**30
 ALLOCATOR_SLACK = 1.05
@@ -100,6 +101,7 @@ class Shapes:
     block_trained_experts: int | None = None  # of block_trained: the routed experts' (their adapters)
     head_trained: bool = True
     root_trained: int | None = None  # of root_params (embeddings, final norm, lm_head): those that train
+    mlp_tileable: bool = False  # dense MLPs ac.mlp_tile_tokens can tile (sft/parallel/tiled_mlp.py)
     nf4_params: int = 0
     block_nf4: int = 0
     largest_nf4: int = 0
@@ -154,7 +156,8 @@ class Shapes:
                    tuple(tuple(p.shape) for p in model.parameters()), experts, top_k, active_parameters(model),
                    block_experts, eager_expert_widths(model), cp_unsupported(model) is None,
                    text.num_attention_heads * head_dim, q_out == 2 * text.num_attention_heads * head_dim,
-                   delta_blocks if delta_value_dim else (), delta_value_dim)
+                   delta_blocks if delta_value_dim else (), delta_value_dim,
+                   mlp_tileable=not top_k and tiling_refusal(decoder_blocks(model)) is None)
 
 
 def moe_bytes_per_token(s: Shapes, ep: int = 1) -> int:
@@ -261,7 +264,7 @@ def peak_bytes(s: Shapes, run: Setting) -> float:
     sharded_frozen = s.params - s.trained - s.nf4_params  # LoRA: frozen bf16, sharded like the rest
     # Tiled MLPs (sft/parallel/tiled_mlp.py): their tiles' backward is a graph break, which sends a
     # checkpointed block to eager whole; their intermediates live for one tile, in forward and backward.
-    tiled = bool(run.mlp_tile) and not s.top_k
+    tiled = bool(run.mlp_tile) and s.mlp_tileable
     compiled = run.compiled and not (tiled and run.ac_ratio > 0)
     tile_bytes = 2 * 6 * s.ffn * run.mlp_tile if tiled else 0  # gate, up, product and their gradients
     gathered = _gathered_bytes(s, run, compiled) + tile_bytes

@@ -132,7 +132,7 @@ def nothing_fits(s: Shapes, cfg: Config, m: Machine) -> str:
     host memory it would need."""
     offload = ("" if cfg.fsdp.cpu_offload else "fsdp.cpu_offload=true, ") + (
         "" if cfg.ac.offload else "ac.offload=true (long rows: the blocks' inputs in host memory), ") + (
-        "" if cfg.ac.mlp_tile_tokens or s.top_k else f"ac.mlp_tile_tokens={MLP_TILE_TOKENS}, ")
+        "" if cfg.ac.mlp_tile_tokens or not s.mlp_tileable else f"ac.mlp_tile_tokens={MLP_TILE_TOKENS}, ")
     offloaded = _with_offload(cfg)
     # what plan.auto would choose with ac.offload on a node of unbounded host memory, and what it needs there
     choice = None if cfg.ac.offload else suggest(s, offloaded, dataclasses.replace(m, host_mem_gib=math.inf))

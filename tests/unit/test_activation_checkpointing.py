@@ -234,6 +234,7 @@ def test_mlp_tiling_refuses_an_mlp_that_takes_more_than_the_hidden_states():
         model = AutoModelForCausalLM.from_config(tiny_config("bloom"))
     with pytest.raises(ConfigError, match=r"^ac.mlp_tile_tokens=8: BloomMLP takes hidden_states, residual, not the "):
         apply_mlp_tiling(decoder_blocks(model), 8)
+    assert not Shapes.of(model).mlp_tileable  # nor does plan.auto tile it
 
 
 def test_selective_checkpointing_keeps_nothing_run_without_gradients():
