@@ -55,15 +55,16 @@ class GradientsInComputePool:
         return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def whole_frozen(root: nn.Module, dims: ParallelDims, cfg: FSDPConfig) -> set[nn.Parameter]:
-    """The frozen parameters FSDP leaves alone: where it shards over one rank (one GPU, or replicas
-    only) and keeps the shards on the GPU, a frozen parameter already in fsdp.param_dtype (LoRA's
-    base) has nothing to shard, cast or reduce, and FSDP would only copy it into its all-gather
-    buffer before each block's forward and backward: on one H200 the whole Qwen3-30B-A3B's LoRA
-    step copied its 1.2 GB of experts a block twice, 54 ms of a 590 ms step (docs/BENCHMARKS.md)."""
-    if dims.shard_ranks > 1 or cfg.cpu_offload:
+def whole_frozen(module: nn.Module, shard_ranks: int, cfg: FSDPConfig) -> set[nn.Parameter]:
+    """The frozen parameters of `module` FSDP leaves alone: where it shards them over one rank (one GPU,
+    replicas only, or under expert parallelism each ep rank's own experts) and keeps the shards on the
+    GPU, a frozen parameter already in fsdp.param_dtype (LoRA's base) has nothing to shard, cast or
+    reduce, and FSDP would only copy it into its all-gather buffer before each block's forward and
+    backward: on one H200 the whole Qwen3-30B-A3B's LoRA step copied its 1.2 GB of experts a block
+    twice, 54 ms of a 590 ms step (docs/BENCHMARKS.md)."""
+    if shard_ranks > 1 or cfg.cpu_offload:
         return set()
-    return {p for p in root.parameters() if not p.requires_grad and p.dtype == DTYPES[cfg.param_dtype]}
+    return {p for p in module.parameters() if not p.requires_grad and p.dtype == DTYPES[cfg.param_dtype]}
 
 
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
@@ -80,16 +81,17 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
     divide factor is 1 on every unit: the loss is already divided by the global count of
     supervised tokens (sft/training/loss.py), so FSDP must sum, not average, over ranks.
     """
+    ignored = (lora.nf4_parameters() if lora else set()) | whole_frozen(root, dims.shard_ranks, cfg)
     options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                                        reduce_dtype=DTYPES[cfg.reduce_dtype]),
-                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-                   ignored_params=(lora.nf4_parameters() if lora else set()) | whole_frozen(root, dims, cfg))
+                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(), ignored_params=ignored)
     for i, block in enumerate(blocks):
         if dims.ep_enabled and moe is not None:  # first: the block's unit then leaves them to this one
             for sparse in (m for m in block.modules() if m in moe.blocks):
                 fully_shard(sparse.experts, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
                             **{**options, "mesh": dims.expert_fsdp_mesh, "shard_placement_fn":
-                               moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep)})
+                               moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep), "ignored_params":
+                               ignored | whole_frozen(sparse.experts, dims.expert_fsdp_mesh.size(), cfg)})
         # The last block's parameters are needed again first thing in backward: keep them.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
                     shard_placement_fn=moe.shard_placement(dims.shard_ranks) if moe else None, **options)

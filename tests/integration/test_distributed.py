@@ -397,6 +397,8 @@ def test_lora_on_routed_experts_equals_the_merged_weight_reference(runs, referen
     assert {n for n in ref["grads"] if "_lora." in n} and run["grads"].keys() == ref["grads"].keys()
     assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-6)  # atol: MOE_EQUIVALENT's
     assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
+    if "ep 2" in name:  # each ep rank holds its experts whole: FSDP leaves their frozen weights on the ep mesh
+        assert "(Shard(dim=0),)" in run["expert_placements"], run["expert_placements"]
     if "qlora" in name:  # every expert weight in NF4 (the attention's too, where it splits into NF4 groups)
         assert sorted({n for n in run["nf4_weights"] if ".experts." in n}) == sorted(
             f"model.layers.{i}.mlp.experts.{w}" for i in range(4) for w in ("gate_up_proj", "down_proj"))

@@ -223,12 +223,11 @@ def test_fsdp_leaves_the_frozen_base_alone_only_where_it_has_nothing_to_shard(sh
     from sft.models.build import build_meta_model
     from sft.adapters.lora import apply_lora
     from sft.parallel.fsdp import whole_frozen
-    from sft.parallel.mesh import ParallelDims
 
     model = build_meta_model(ModelConfig(name_or_path=str(REPO / "configs" / "demo" / "model")))
     apply_lora(model, decoder_blocks(model), LoRAConfig(rank=4), torch.bfloat16)
     model.model.norm.weight.data = model.model.norm.weight.data.float()  # frozen, but FSDP casts it
-    left = whole_frozen(model, ParallelDims(shard_ranks), FSDPConfig(cpu_offload=cpu_offload))
+    left = whole_frozen(model, shard_ranks, FSDPConfig(cpu_offload=cpu_offload))
     names = {name for name, param in model.named_parameters() if any(param is p for p in left)}
     frozen_bf16 = {name for name, param in model.named_parameters()
                    if not param.requires_grad and param.dtype == torch.bfloat16}
