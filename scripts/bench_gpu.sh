@@ -769,10 +769,13 @@ RUNS
       # bit for bit the same weights; then the load30b-24 runs below start from it
       [[ "load30b-24" =~ ${ONLY:-.} ]] && python3 scripts/bench_load.py /tmp/qwen3-30b-a3b-24 \
         --preset qwen3-30b-a3b-24 --device cuda --repeats 2 --threads 4 8 2>&1 | grep -E "GB on|Error"
-      # the peer's P-7B checkpoint (15 GB as transformers saves it): ours (lora-p7b-files) and TRL's start from it
+      # a random P-7B checkpoint (15 GB as transformers saves it; the peer's own maker with PEER_DIR set): ours
+      # (lora-p7b-files) and TRL's start from it
       peer_model=/tmp/peer-model-qwen2.5-7b
-      [[ "lora-p7b-files" =~ ${ONLY:-.} ]] && [ ! -d $peer_model ] && python3 "${PEER_DIR:-../shared/peer}/make_model.py" \
-        qwen2.5-7b $peer_model | tail -1
+      if [[ "lora-p7b-files" =~ ${ONLY:-.} ]] && [ ! -d $peer_model ]; then
+        if [ -n "${PEER_DIR:-}" ]; then python3 "$PEER_DIR/make_model.py" qwen2.5-7b $peer_model | tail -1
+        else python3 scripts/save_random_checkpoint.py configs/models/qwen2.5-7b $peer_model --device cuda | tail -1; fi
+      fi
       while read -r name config overrides; do
         [[ "$name" =~ ${ONLY:-.} ]] || continue
         for launch in cold warm; do
