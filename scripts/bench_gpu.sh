@@ -794,10 +794,9 @@ RUNS
       # that fits the P-7B rows on one GPU), launch -> exit after step 2, twice; TRL compiles nothing, so "warm"
       # differs from "cold" only by the page cache and Python's bytecode cache
       if [ -n "${PEER_DIR:-}" ] && [[ "lora-p7b-files" =~ ${ONLY:-.} ]]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/peer-site .whl/*.whl
-        for launch in cold warm; do
+        for launch in cold warm; do  # TRL, Liger and datasets: the wheels installed above (/tmp/site)
           t0=$(date +%s.%N)
-          PYTHONPATH=/tmp/peer-site:$PYTHONPATH TOKENIZERS_PARALLELISM=false timeout "${RUN_TIMEOUT:-300}" torchrun \
+          TOKENIZERS_PARALLELISM=false timeout "${RUN_TIMEOUT:-300}" torchrun \
             --standalone --nproc_per_node 1 "$PEER_DIR/trl_sft_bench.py" --model $peer_model --seq 4096 --bs 2 \
             --steps 2 --warmup 0 --lora 16 --liger > "$LOGS/startup-peer-lora-p7b-$launch.log" 2>&1
           echo "startup-peer-lora-p7b-$launch: exit $? in $(python3 -c "print(round($(date +%s.%N) - $t0))") s" \

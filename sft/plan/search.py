@@ -108,8 +108,7 @@ def long_row_choice(s: Shapes, cfg: Config, m: Machine) -> tuple[Config, tuple[f
     for step in LONG_ROW_STEPS:
         candidate = _with_offload(cfg) if step.get("ac.offload") else copy.deepcopy(cfg)
         _set(candidate, step)
-        if candidate.ac == cfg.ac or (cfg.ac.offload and not step.get("ac.offload")) or \
-                range_checks(candidate, local_checks=False):
+        if candidate.ac == cfg.ac or range_checks(candidate, local_checks=False):
             continue  # nothing new, or refused by the config's checks
         if choice := suggest(s, candidate, m):
             return candidate, choice, {key: value for key, value in step.items()
