@@ -27,6 +27,7 @@ from sft.checkpoint.manager import Checkpointer
 from sft.compile_cache import use_compile_cache
 from sft.config import check_machine, parse_args
 from sft.data.batches import MicroBatches, TrainBatches
+from sft.data.images import holds_images, image_tokens
 from sft.data.prepare import load_sft_data
 from sft.distributed import init_distributed, log0, rank0_first, shut_down, smallest_over_ranks
 from sft.errors import run_command
@@ -74,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     resume_from = ckpt.resume_point(auto=run.resume_auto())
     startup.done("setup")
 
-    # Data before the model: bad data fails fast, before the expensive part.
-    train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed)
+    # Data before the model: bad data fails fast, before the expensive part. A vision-language model
+    # whose images train here takes image parts (its image processor; None: image rows are dropped).
+    images = rank0_first(lambda: image_tokens(cfg.model, tokenizer))
+    train_data, eval_data = load_sft_data(cfg.data, tokenizer, cfg.train.seed, images)
     global_batch = dims.global_batch(cfg.train.micro_batch_size, cfg.train.grad_accum_steps)
     train_batches = TrainBatches(train_data, tokenizer.pad_token_id, cfg.data, cfg.train.micro_batch_size,
                                  cfg.train.grad_accum_steps, global_batch, dims.dp_rank, cfg.train.seed)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpu_mem_gib:
         explain_out_of_memory(cfg, env.world_size, gpu_mem_gib)  # an OOM anywhere: one line, what fits
     # The model: built on meta in the fixed order, parallelized, materialised (sft/training/model.py).
-    built = build_training_model(cfg, dims, env.device)
+    built = build_training_model(cfg, dims, env.device, images if holds_images(train_data, eval_data) else None)
     model, moe = built.model, built.moe
     optimizer = build_optimizer(model, cfg.optim, cfg.train.seed, compiled=cfg.compile.enabled)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)

@@ -1,5 +1,6 @@
-"""Build the demo's tokenizer and model config into configs/demo/model, and the MoE demo's config
-into configs/demo_moe/model (committed; rerun to refresh).
+"""Build the demo's tokenizer and model config into configs/demo/model, the MoE demo's config
+into configs/demo_moe/model and the vision-language demo's files into configs/demo_vlm/model
+(committed; rerun to refresh).
 
     python scripts/build_demo_model.py
 
@@ -11,6 +12,7 @@ chats (digits split one by one), a ChatML chat template that marks assistant tok
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import sys
 from pathlib import Path
@@ -87,6 +89,46 @@ def main() -> None:
     moe_out = Path(args.out).parent.parent / "demo_moe" / "model"
     moe_config(tokenizer).save_pretrained(moe_out)
     print(f"wrote the MoE demo's config to {moe_out} (its tokenizer is the demo's)")
+    vlm_out = Path(args.out).parent.parent / "demo_vlm" / "model"
+    write_vlm_files(tokenizer, vlm_out)
+    print(f"wrote the vision-language demo's tokenizer, image processor and config to {vlm_out}")
+
+
+IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# The demo's ChatML, an image part rendered as Qwen's placeholder between its markers
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}{% generation %}{{- message['content'] + '<|im_end|>' -}}"
+    "{% endgeneration %}{{- '\\n' -}}"
+    "{%- elif message['content'] is string -%}{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- else -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def write_vlm_files(tokenizer, out: Path) -> None:
+    """A tiny Qwen3.5 as published (the vision-language class): the demo's tokenizer with Qwen's image
+    tokens and a template rendering image parts, Qwen's image processor (16-pixel patches merged
+    2 x 2: a 96 x 96 picture is 9 tokens) and the config (random init: scripts/save_random_checkpoint.py)."""
+    from transformers import AutoConfig
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                   tokenizer.convert_tokens_to_ids(IMAGE_TOKENS)))
+    text = dict(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, layer_types=["full_attention"] * 4,
+                max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config.save_pretrained(out)
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 96 * 96}).save_pretrained(out)
 
 
 def moe_config(tokenizer) -> Qwen3MoeConfig:

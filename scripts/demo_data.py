@@ -1,9 +1,12 @@
 """Generate the demo's synthetic multi-turn chat data (seeded; no network).
 
     python scripts/demo_data.py --out data/demo          # train.jsonl + eval.jsonl
+    python scripts/demo_data.py --images --out data/demo_vlm   # + images/: questions about pictures
 
 Tasks a tiny model can learn in minutes on a CPU: two-digit arithmetic, unit conversion,
-spelling and reversing words; one to three turns, with or without a system prompt.
+spelling and reversing words; one to three turns, with or without a system prompt. With --images:
+a shape of one colour on the left or the right of a small picture, and questions about its
+colour, shape and side (the picture in the first user turn, as an OpenAI image part).
 """
 
 from __future__ import annotations
@@ -73,16 +76,68 @@ def generate(n: int, seed: int) -> list[dict]:
     return [conversation(rng) for _ in range(n)]
 
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 220), "yellow": (230, 200, 30)}
+SHAPES = ("square", "circle", "triangle")
+PICTURE_QUESTIONS = (("What colour is the shape?", "It is {colour}."), ("What shape is it?", "It is a {shape}."),
+                     ("Where is the shape?", "It is on the {side}."))
+
+
+def picture(rng: random.Random, path: Path, size: int = 96) -> dict[str, str]:
+    """Draw one shape on a white picture at `path`; its colour, shape and side."""
+    from PIL import Image, ImageDraw
+
+    facts = {"colour": rng.choice(list(COLOURS)), "shape": rng.choice(SHAPES), "side": rng.choice(("left", "right"))}
+    image = Image.new("RGB", (size, size), "white")
+    half, r = size // 2, size // 5
+    x = rng.randint(r, half - r) + (half if facts["side"] == "right" else 0)
+    y = rng.randint(r, size - r)
+    box, colour = (x - r, y - r, x + r, y + r), COLOURS[facts["colour"]]
+    draw = ImageDraw.Draw(image)
+    if facts["shape"] == "square":
+        draw.rectangle(box, fill=colour)
+    elif facts["shape"] == "circle":
+        draw.ellipse(box, fill=colour)
+    else:
+        draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=colour)
+    image.save(path)
+    return facts
+
+
+def picture_conversations(n: int, seed: int, out: Path, prefix: str) -> list[dict]:
+    """`n` conversations about pictures written to out/images/ (paths relative to `out`)."""
+    rng = random.Random(seed)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        relative = f"images/{prefix}{i}.png"
+        facts = picture(rng, out / relative)
+        asked = rng.sample(PICTURE_QUESTIONS, rng.randint(1, 2))
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": relative}},
+                                                 {"type": "text", "text": asked[0][0]}]},
+                    {"role": "assistant", "content": asked[0][1].format(**facts)}]
+        for question, answer in asked[1:]:
+            messages += [{"role": "user", "content": [{"type": "text", "text": question}]},
+                         {"role": "assistant", "content": answer.format(**facts)}]
+        rows.append({"messages": messages})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="data/demo")
     parser.add_argument("--train", type=int, default=1200)
     parser.add_argument("--eval", type=int, default=120)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--images", action="store_true", help="questions about pictures (written to OUT/images/)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("train", generate(args.train, args.seed)), ("eval", generate(args.eval, args.seed + 1))):
+    if args.images:
+        splits = (("train", picture_conversations(args.train, args.seed, out, "train")),
+                  ("eval", picture_conversations(args.eval, args.seed + 1, out, "eval")))
+    else:
+        splits = (("train", generate(args.train, args.seed)), ("eval", generate(args.eval, args.seed + 1)))
+    for name, rows in splits:
         tmp = out / f"{name}.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(out / f"{name}.jsonl")  # never leave a half-written file behind

@@ -3,6 +3,7 @@
     python -m sft.chat runs/demo/export --prompt "What is 12 + 30?"     # one answer
     python -m sft.chat runs/demo/export                                 # interactive, multi-turn
     python -m sft.chat runs/demo_lora/export --prompt "..."             # a LoRA adapter, on its base
+    python -m sft.chat runs/demo_vlm/export --image pic.png --prompt "What colour is the shape?"
 
 Uses the model's own chat template; greedy decoding by default. For real evaluation use
 lm-evaluation-harness (https://github.com/EleutherAI/lm-evaluation-harness) on the export.
@@ -17,16 +18,31 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from sft.adapters.peft_format import BASE_WEIGHTS, CONFIG_FILE, in_model, merged, read_adapter, unmatched
-from sft.config import is_local_path
+from sft.config import ModelConfig, is_local_path
+from sft.data.images import ImageTokens, image_tokens, open_image
+from sft.data.masking import IMAGE_PART
+from sft.data.rows import expand_images
 from sft.errors import UserError, run_command
 from sft.hub.identity import WEIGHTS_DIGEST, base_changed, weights_digest
 from sft.hub.weights import SafetensorsWeights
 from sft.models.vision_language import causal_class, is_vision_language
 
 
-def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
-                                           return_tensors="pt").to(model.device)
+def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float,
+          images: ImageTokens | None = None, sources: list[str] = ()) -> str:
+    """The model's answer to `messages`; with `images`, their image parts are `sources` in order
+    (rows as training makes them: sft/data/rows.py)."""
+    if sources:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, _ = expand_images(ids, ids, images.token_id, [images.count(open_image(s)) for s in sources])
+        ids = torch.tensor([ids])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "mm_token_type_ids": (ids == images.token_id).int(), **images.pixels(list(sources))}
+        inputs = {name: value.to(model.device) for name, value in inputs.items()}
+    else:
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                               return_tensors="pt").to(model.device)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
@@ -54,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_dir", help="an export directory (or any Hugging Face chat model)")
     parser.add_argument("--prompt", help="answer this one prompt and exit")
     parser.add_argument("--system", help="an optional system prompt")
+    parser.add_argument("--image", help="a picture (path) the first prompt asks about: a vision-language export")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--allow-base-change", action="store_true",
@@ -89,18 +106,24 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             for name, param in model.named_parameters(remove_duplicate=False):  # a tied lm_head by its name too
                 param.copy_(merged(name, param, trained, scaling, model))
-    else:  # a vision-language export whose text model has no causal class (Qwen3-VL): the original class
+    else:  # a vision-language export whose text model has no causal class (Qwen3-VL), or for images: the original
         config = AutoConfig.from_pretrained(args.model_dir)
-        vision_only = is_vision_language(config) and causal_class(config) is None
+        vision_only = is_vision_language(config) and (causal_class(config) is None or args.image)
         model = (AutoModelForImageTextToText if vision_only else AutoModelForCausalLM).from_pretrained(
             args.model_dir, dtype="auto")
+    images = image_tokens(ModelConfig(name_or_path=args.model_dir), tokenizer) if args.image else None
+    if args.image and images is None:
+        raise UserError(f"--image: {args.model_dir} takes no images (docs/data.md: Images says which models do)")
     model = model.to(device).train(False)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
     try:
         for prompt in prompts:
-            messages.append({"role": "user", "content": prompt})
-            answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature)
+            picture = args.image and not any(m["role"] == "user" for m in messages)
+            messages.append({"role": "user", "content": [IMAGE_PART, {"type": "text", "text": prompt}]
+                             if picture else prompt})
+            answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature, images,
+                           [str(Path(args.image).resolve())] if args.image else [])
             messages.append({"role": "assistant", "content": answer})
             print(answer if args.prompt else f"model> {answer}", flush=True)
     except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end of the chat

@@ -36,7 +36,7 @@ from sft.errors import UserError, run_command
 from sft.hub.identity import base_changed, base_identity
 from sft.hub.layout import MAX_SHARD_BYTES, to_hub_tensors, write_safetensors
 from sft.hub.tokenizer import load_tokenizer
-from sft.hub.vision_language import KEPT, FileNames, checkpoint_class
+from sft.hub.vision_language import KEPT, FileNames, checkpoint_class, copy_processor_files
 from sft.hub.weights import initial_weights
 from sft.models.architecture import text_config
 from sft.models.build import build_meta_model, persistent_buffers
@@ -87,6 +87,7 @@ def export_hf(checkpoint: Path, out_dir: Path, dtype: str = "bfloat16", merge: b
                     else _tensors(checkpoint, shapes)
                 write_model(tensors, model, checkpoint / HF_FILES, tmp, dtype)
             load_tokenizer(model_cfg).save_pretrained(tmp)
+            copy_processor_files(checkpoint / HF_FILES, tmp)  # a vision-language checkpoint's image processor
     except atomic.PathInTheWay as e:
         raise UserError(f"cannot export to {out_dir}: {e}; give a new directory (an export never writes into or "
                         "over an existing one)") from None

@@ -35,13 +35,23 @@ def pytest_sessionfinish(session, exitstatus):
         _compile_cache.commit()
 
 
+def _demo_data(out: Path, *args: str) -> Path:
+    """scripts/demo_data.py run in this process with `args`, into `out`."""
+    spec = importlib.util.spec_from_file_location("demo_data", REPO / "scripts" / "demo_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(["--out", str(out), "--train", "200", "--eval", "40", *args])
+    return out
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
     """The demo's synthetic chat data (small), generated once per test session (in this process, as
     `python scripts/demo_data.py --train 200 --eval 40` would)."""
-    spec = importlib.util.spec_from_file_location("demo_data", REPO / "scripts" / "demo_data.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    out = tmp_path_factory.mktemp("demo_data")
-    script.main(["--out", str(out), "--train", "200", "--eval", "40"])
-    return out
+    return _demo_data(tmp_path_factory.mktemp("demo_data"))
+
+
+@pytest.fixture(scope="session")
+def image_data(tmp_path_factory) -> Path:
+    """The demo's questions about pictures (`scripts/demo_data.py --images`), small, once per session."""
+    return _demo_data(tmp_path_factory.mktemp("image_data"), "--images")

@@ -325,6 +325,28 @@ def vision_language_model_dir(tmp: Path, model_type: str) -> Path:
     return out
 
 
+def image_model_dir(tmp: Path, model_type: str) -> Path:
+    """A tiny vision-language checkpoint of `model_type` that takes images: the vision-language demo's
+    tokenizer (Qwen's image tokens), chat template and image processor (configs/demo_vlm/model) and
+    the family's tiny random weights (VISION_LANGUAGE)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    out = tmp / f"model_{model_type}_images"
+    if out.exists():
+        return out
+    shutil.copytree(REPO / "configs" / "demo_vlm" / "model", out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = {key: json.loads((out / "config.json").read_text())[key]
+           for key in ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")}
+    spec = VISION_LANGUAGE[model_type]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**spec, "text_config": {**spec["text_config"], "vocab_size": len(tokenizer)},
+                                                 **ids})
+    (out / "config.json").unlink()
+    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    return out
+
+
 # A tiny random model of any architecture transformers ships, from its own config class: the keys
 # every family knows plus the mixture-of-experts, multi-head-latent and linear-attention ones
 # (a config class sets the keys it does not use as plain attributes).

@@ -5,6 +5,7 @@ One process, no GPU."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.config import load_config
 from sft.data.batches import pack_best_fit
+from sft.data.images import image_tokens
 from sft.data.masking import IGNORE_INDEX
 from sft.data.prepare import expansion, prepare_sft_data, reasoning
 from sft.data.sources import SOURCE_ROW, where
@@ -20,8 +22,10 @@ from sft.errors import run_command
 from sft.hub.tokenizer import load_tokenizer
 
 
-def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool) -> str:
-    """The sample's text with its supervised spans in green (terminal) or between [[ and ]]."""
+def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int], colour: bool,
+            image_token: str | None = None) -> str:
+    """The sample's text with its supervised spans in green (terminal) or between [[ and ]]; an
+    image's placeholder tokens as one, with their number (`<|image_pad|>x256`)."""
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or (labels[i] == IGNORE_INDEX) != (labels[start] == IGNORE_INDEX):
@@ -30,7 +34,11 @@ def _marked(tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int
                 text = f"\033[32m{text}\033[0m" if colour else f"[[{text}]]"
             out.append(text)
             start = i
-    return "".join(out)
+    text = "".join(out)
+    if image_token:
+        run = f"(?:{re.escape(image_token)})+"
+        text = re.sub(run, lambda m: f"{image_token}x{len(m[0]) // len(image_token)}", text)
+    return text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     tokenizer = load_tokenizer(cfg.model)
-    train, evals, reports = prepare_sft_data(cfg.data, tokenizer, cfg.train.seed)
+    images = image_tokens(cfg.model, tokenizer)
+    train, evals, reports = prepare_sft_data(cfg.data, tokenizer, cfg.train.seed, images)
 
     colour = sys.stdout.isatty()
     for index in range(min(args.show, len(train))):
@@ -55,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
                     if row["parts"] > 1 else "")
         print(f"--- sample {index} ({row['length']} tokens, {where(cfg.data.path, [row[SOURCE_ROW]])[row[SOURCE_ROW]]} "
               f"of {cfg.data.path}{expanded}; trained: {'green' if colour else '[[...]]'})")
-        print(_marked(tokenizer, row["input_ids"], row["labels"], colour))
+        print(_marked(tokenizer, row["input_ids"], row["labels"], colour, images and images.token))
+        if row["images"]:
+            print(f"images: {', '.join(row['images'])}")
     if args.stats or not args.show:
         for split, data in (("train", train), ("eval", evals)):
             if data is None:

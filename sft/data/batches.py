@@ -78,14 +78,19 @@ class MicroBatches:
 
     def _samples(self, indices: list[int]) -> list[dict]:
         rows = self.dataset[indices]
-        return [{"input_ids": i, "labels": lab} for i, lab in zip(rows["input_ids"], rows["labels"])]
+        images = rows.get("images") or [[] for _ in indices]
+        return [{"input_ids": i, "labels": lab, "images": im}
+                for i, lab, im in zip(rows["input_ids"], rows["labels"], images)]
 
-    def __call__(self, indices: list[int]) -> tuple[dict[str, torch.Tensor], int]:
-        """The micro-batch and its number of real (non-pad) tokens."""
+    def __call__(self, indices: list[int]) -> tuple[dict, int]:
+        """The micro-batch and its number of real (non-pad) tokens. A micro-batch with images also
+        holds their sources (`images`), in the order their placeholders appear in its rows."""
         if self.packed_rows is None:
             samples = self._samples(indices)
             batch = collate(samples, self.pad_token_id, self.cfg.max_seq_len, self.cfg.pad_to_multiple_of,
                             pad_to_max=self.cfg.pad_to == "max_seq_len")
+            if images := [source for s in samples for source in s["images"]]:
+                batch["images"] = images
             return batch, sum(len(s["input_ids"]) for s in samples)
         groups = [self.packed_rows[i] for i in indices]
         samples = iter(self._samples([i for group in groups for i in group]))
@@ -100,6 +105,10 @@ class TrainBatches:
 
     def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig, micro_batch_size: int,
                  grad_accum_steps: int, global_batch: int, rank: int, seed: int):
+        self.with_images = sum(bool(images) for images in dataset["images"]) if "images" in dataset.column_names else 0
+        if cfg.packing and self.with_images:
+            raise ConfigError(f"data.packing=true: {self.with_images} training rows hold images, and rows with images "
+                              "do not pack yet; set data.packing=false")
         self.packed_rows = pack_best_fit(dataset["length"], cfg.max_seq_len) if cfg.packing else None
         self.sampler = StepSampler(len(self.packed_rows) if self.packed_rows else len(dataset), micro_batch_size,
                                    grad_accum_steps, global_batch, rank, seed)
@@ -116,4 +125,5 @@ class TrainBatches:
 
     def describe(self) -> str:
         packed = f", packed into {len(self.packed_rows)} rows" if self.packed_rows else ""
-        return f"{self.num_samples} train samples{packed}, global batch {self.sampler.global_batch}"
+        images = f" ({self.with_images} with images)" if self.with_images else ""
+        return f"{self.num_samples} train samples{images}{packed}, global batch {self.sampler.global_batch}"

@@ -85,13 +85,15 @@ def _field_read_by(template: str) -> str | None:
     return next((field for field in REASONING_FIELDS if field in read), None)
 
 
-def joined_content_parts(messages: list) -> list:
+def joined_content_parts(messages: list, images: bool = False) -> list:
     """The messages with OpenAI content parts (`[{"type": "text", "text": ...}, ...]`, the format of
     multimodal-era datasets) as the text a string-content chat template renders: the text parts
-    joined by newlines, as vLLM joins them for such templates at inference. A part of another type
-    (an image, audio) drops the sample: training on it is not supported yet; so does a part that is
-    not a text part as written (no type, no text or text that is not a string) and an empty list:
-    guessing would train an empty or wrong turn."""
+    joined by newlines, as vLLM joins them for such templates at inference. With `images` (a model
+    that takes them; sft/data/images.py has made each image part `{"type": "image"}`), a message
+    holding an image keeps its parts, which the vision-language chat template renders, placeholder
+    and text in order. Otherwise a part of another type (an image, audio) drops the sample; so does a
+    part that is not a text part as written (no type, no text or text that is not a string) and an
+    empty list: guessing would train an empty or wrong turn."""
     if not isinstance(messages, list):
         return messages
     out = []
@@ -100,9 +102,17 @@ def joined_content_parts(messages: list) -> list:
         if isinstance(content, list):
             if not content:
                 raise DropSample(f"{m.get('role')} content is an empty list of content parts")
-            m = {**m, "content": "\n".join(_part_text(m.get("role"), part) for part in content)}
+            if images and IMAGE_PART in content:
+                m = {**m, "content": [part if part == IMAGE_PART else
+                                      {"type": "text", "text": _part_text(m["role"], part)} for part in content]}
+            else:
+                m = {**m, "content": "\n".join(_part_text(m.get("role"), part) for part in content)}
         out.append(m)
     return out
+
+
+IMAGE_PART = {"type": "image"}
+"""An image part as the chat template sees it (its source is kept aside: sft/data/images.py)."""
 
 
 def _part_text(role: str, part: Any) -> str:
@@ -113,9 +123,12 @@ def _part_text(role: str, part: Any) -> str:
     if "type" not in part:
         raise DropSample(f"{role} content has a part without a type (keys {', '.join(map(str, part))}): write it as "
                          f"{example}")
+    if part["type"] in ("image", "image_url"):
+        raise DropSample(f"{role} content has an image: this model takes none (images train on the vision-language "
+                         "checkpoints of docs/data.md: Images)")
     if part["type"] != "text":
-        raise DropSample(f"{role} content has a {part['type']!r} part: only text parts train (images and audio are "
-                         "not supported yet)")
+        raise DropSample(f"{role} content has a {part['type']!r} part: only text and image parts train (video and "
+                         "audio are not supported yet)")
     if not isinstance(part.get("text"), str):
         found = "no text" if part.get("text") is None else f"a text that is {type(part['text']).__name__}"
         raise DropSample(f"{role} content has a text part with {found}, expected a string: {example}")
@@ -135,7 +148,8 @@ def validate_messages(messages: Any) -> None:
         if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise DropSample(f"{m['role']} message without content")
         for key in ("content", *REASONING_FIELDS):
-            if m.get(key) is not None and not isinstance(m[key], str):
+            with_images = key == "content" and isinstance(content, list) and IMAGE_PART in content
+            if m.get(key) is not None and not isinstance(m[key], str) and not with_images:
                 raise DropSample(f"{m['role']} {key} is {type(m[key]).__name__}, expected a string")
         calls = m.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
@@ -152,7 +166,7 @@ def normalise_reasoning(messages: list[dict], field: str | None) -> tuple[list[d
     out, carried = [], 0
     for m in messages:
         content = m.get("content")
-        inline = _INLINE_REASONING.match(content) if m["role"] == "assistant" and content else None
+        inline = _INLINE_REASONING.match(content) if m["role"] == "assistant" and isinstance(content, str) else None
         fields = [m[f] for f in (field, *REASONING_FIELDS) if f and m.get(f)] if m["role"] == "assistant" else []
         if not (inline or fields):
             out.append(m)
@@ -261,10 +275,11 @@ def _segments(text: str, spans: list[tuple[int, int]], supervised: list[bool]) -
 
 
 def render_rows(tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list | None,
-                last_turn_only: bool = False, template_kwargs: dict | None = None) -> tuple[list[RowPlan], int]:
+                last_turn_only: bool = False, template_kwargs: dict | None = None, images: bool = False
+                ) -> tuple[list[RowPlan], int]:
     """The conversation's training rows (see the module docstring) and how many of its assistant turns
-    carry reasoning. Raises DropSample."""
-    messages = joined_content_parts(messages)
+    carry reasoning; `images`: the model takes image parts. Raises DropSample."""
+    messages = joined_content_parts(messages, images)
     validate_messages(messages)
     messages, reasoning_turns = normalise_reasoning(messages, reasoning_field(tokenizer))
     template_kwargs = template_kwargs or {}

@@ -15,13 +15,14 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import DataConfig
-from sft.data import masking, rows as tokenising
+from sft.data import images as image_tokens, masking, rows as tokenising
+from sft.data.images import ImageTokens
 from sft.data.rows import ROW_COLUMNS, TOKENIZED_FEATURES, tokenize_batch
 from sft.data.sources import SOURCE_ROW, DataError, check_text, detect_format, load_rows, where
 from sft.distributed import log0, rank0_first
 
 # The code that decides the tokens: editing anything else (the sampler, the CLI) keeps the cache.
-_TOKENISATION_SOURCE = inspect.getsource(tokenising) + inspect.getsource(masking)
+_TOKENISATION_SOURCE = inspect.getsource(tokenising) + inspect.getsource(masking) + inspect.getsource(image_tokens)
 
 
 
@@ -67,17 +68,20 @@ def _split_report(columns: dict[str, list], drops: dict[str, tuple[int, str]], r
 
 
 def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, path: str,
-              source: str, split_name: str) -> tuple[datasets.Dataset, SplitReport]:
+              source: str, split_name: str, images: ImageTokens | None = None
+              ) -> tuple[datasets.Dataset, SplitReport]:
     fmt = detect_format(rows.column_names, source)
     kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
-                  last_turn_only=cfg.train_on == "last_assistant", template_kwargs=cfg.chat_template_kwargs)
+                  last_turn_only=cfg.train_on == "last_assistant", template_kwargs=cfg.chat_template_kwargs,
+                  images=images, image_dir=str(Path(path).parent if Path(path).is_file() else Path.cwd()))
 
     # datasets keys its cache on the function's *name* for module-level functions, not its code:
     # put the source of the tokenisation code in the key so an upgrade never reuses stale rows.
     # The tokenizer goes in as its C pickle: hashing it through datasets' dill pickler takes ~5x as
     # long (seconds for a 151k vocabulary), and the C pickle is as complete and as deterministic.
     fingerprint = Hasher.hash([rows._fingerprint, _TOKENISATION_SOURCE, pickle.dumps(tokenizer),
-                               {k: v for k, v in kwargs.items() if k != "tokenizer"}])
+                               {k: v for k, v in kwargs.items() if k not in ("tokenizer", "images")},
+                               images and (images.processor.to_json_string(), images.token, images.token_id)])
     try:
         tokenized = rows.map(tokenize_batch, fn_kwargs=kwargs, batched=True, remove_columns=rows.column_names,
                              features=TOKENIZED_FEATURES, num_proc=cfg.num_proc if cfg.num_proc > 1 else None,
@@ -127,7 +131,7 @@ def reasoning(report: SplitReport) -> str:
             f"template {'as ' + report.reasoning_field if report.reasoning_field else 'inline in content'}")
 
 
-def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
+def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, images: ImageTokens | None = None
                      ) -> tuple[datasets.Dataset, datasets.Dataset | None, dict[str, SplitReport]]:
     """load_sft_data, plus what tokenising each split ('train', 'eval') dropped and cut."""
     rows = load_rows(cfg.path, cfg.subset, cfg.split, cfg.cache_dir, "data.path").shuffle(seed=seed)
@@ -139,18 +143,19 @@ def prepare_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
     elif cfg.eval_fraction > 0:
         parts = rows.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         rows, eval_rows = parts["train"], parts["test"]
-    train, train_report = _tokenize(rows, tokenizer, cfg, cfg.path, f"data.path={cfg.path}", "train")
+    train, train_report = _tokenize(rows, tokenizer, cfg, cfg.path, f"data.path={cfg.path}", "train", images)
     if eval_rows is None:
         return train, None, {"train": train_report}
     source = f"data.eval_path={cfg.eval_path}" if cfg.eval_path else \
         f"data.eval_fraction={cfg.eval_fraction} of data.path={cfg.path}"
-    evals, eval_report = _tokenize(eval_rows, tokenizer, cfg, eval_path, source, "eval")
+    evals, eval_report = _tokenize(eval_rows, tokenizer, cfg, eval_path, source, "eval", images)
     return train, evals, {"train": train_report, "eval": eval_report}
 
 
-def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase,
-                  seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
-    """Return (train, eval or None) with columns input_ids, labels, length and ROW_COLUMNS (source_row:
-    the conversation's position in its file; part, parts, turns: which of its rows this is)."""
-    train, evals, _ = rank0_first(lambda: prepare_sft_data(cfg, tokenizer, seed))
+def load_sft_data(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, images: ImageTokens | None = None
+                  ) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Return (train, eval or None) with columns input_ids, labels, length, images (their sources; the
+    model's `images` tokens, None for a model that takes none) and ROW_COLUMNS (source_row: the
+    conversation's position in its file; part, parts, turns: which of its rows this is)."""
+    train, evals, _ = rank0_first(lambda: prepare_sft_data(cfg, tokenizer, seed, images))
     return train, evals

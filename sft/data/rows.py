@@ -11,7 +11,8 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.masking import DropSample, RowPlan, encode_segments, render_rows, truncate_tokenized
+from sft.data.images import ImageTokens, image_parts, open_image
+from sft.data.masking import IGNORE_INDEX, DropSample, RowPlan, encode_segments, render_rows, truncate_tokenized
 from sft.data.sources import SOURCE_ROW
 
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -58,6 +59,7 @@ def to_messages(row: dict, fmt: str) -> tuple[list[dict], list | None]:
 ROW_COLUMNS = (SOURCE_ROW, "part", "parts", "turns", "assistant_turns", "reasoning_turns")
 TOKENIZED_FEATURES = datasets.Features({
     **{name: datasets.List(datasets.Value("int64")) for name in ("input_ids", "labels", "turns")},
+    "images": datasets.List(datasets.Value("string")),
     **{name: datasets.Value("int64") for name in ("length", "cut", SOURCE_ROW, "part", "parts", "assistant_turns",
                                                   "reasoning_turns")},
     "drop_reason": datasets.Value("string")})
@@ -69,41 +71,86 @@ rows (part of parts: several when the chat template rewrites history), the assis
 
 
 def tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, fmt: str, max_seq_len: int,
-                    last_turn_only: bool, template_kwargs: dict) -> dict[str, list]:
+                   last_turn_only: bool, template_kwargs: dict, images: ImageTokens | None = None,
+                   image_dir: str = ".") -> dict[str, list]:
     """A batch of conversations -> their training rows: input_ids, labels, length, tokens cut by
-    truncation, drop_reason ('' = kept) and ROW_COLUMNS. A dropped conversation is one row with its
-    reason and no tokens. Conversations are rendered one by one, then all segments of all their rows
-    are tokenised in one call."""
+    truncation, drop_reason ('' = kept), the sources of the row's images and ROW_COLUMNS. A dropped
+    conversation is one row with its reason and no tokens. Conversations are rendered one by one,
+    then all segments of all their rows are tokenised in one call. `images`: the model's image
+    tokens (None: it takes no images); `image_dir`: where relative image paths start."""
     origins: list[tuple] = []  # ROW_COLUMNS of each output row
     contents: list[RowPlan | tuple[list[int], list[int]] | str] = []  # to tokenise, tokenised, or a drop reason
+    pictures: list[tuple[list[str], list[int]]] = []  # each row's images: sources and tokens each
     for i, source_row in enumerate(batch[SOURCE_ROW]):
         try:
             if fmt == "tokenized":
                 contents.append((batch["input_ids"][i], batch["labels"][i]))
                 origins.append((source_row, 0, 1, [], 0, 0))
+                pictures.append(([], []))
                 continue
             messages, tools = to_messages({column: values[i] for column, values in batch.items()}, fmt)
-            plans, reasoning_turns = render_rows(tokenizer, messages, tools, last_turn_only, template_kwargs)
+            sources: list[str] = []
+            if images is not None:
+                messages, sources = image_parts(messages, image_dir)
+            plans, reasoning_turns = render_rows(tokenizer, messages, tools, last_turn_only, template_kwargs,
+                                                 images is not None)
+            counts = [images.count(open_image(source)) for source in sources]
         except DropSample as e:
             contents.append(str(e))
             origins.append((source_row, 0, 1, [], 0, 0))
+            pictures.append(([], []))
             continue
         assistant_turns = sum(m["role"] == "assistant" for m in messages)
         for part, plan in enumerate(plans):
-            contents.append(plan)
+            shown = sum(text.count(images.token) for text, _ in plan.segments) if images is not None else 0
+            contents.append(plan if shown <= len(sources) else
+                            f"the conversation's text holds the image placeholder {images.token} itself")
             origins.append((source_row, part, len(plans), list(plan.turns), assistant_turns, reasoning_turns))
+            pictures.append((sources[:shown], counts[:shown]))
     encoded = iter(encode_segments(tokenizer, [c.segments for c in contents if isinstance(c, RowPlan)]))
-    out: dict[str, list] = {name: [] for name in ("input_ids", "labels", "length", "cut", "drop_reason", *ROW_COLUMNS)}
-    for origin, content in zip(origins, contents):
+    out: dict[str, list] = {name: [] for name in ("input_ids", "labels", "length", "cut", "drop_reason", "images",
+                                                  *ROW_COLUMNS)}
+    for origin, content, (sources, counts) in zip(origins, contents, pictures):
         ids, labels, cut, reason = [], [], 0, content if isinstance(content, str) else ""
         if not reason:
             pair = next(encoded) if isinstance(content, RowPlan) else content
             try:
+                if sources:
+                    pair = expand_images(*pair, images.token_id, counts)
                 ids, labels = truncate_tokenized(*pair, max_seq_len)
                 cut = len(pair[0]) - len(ids)
+                sources = sources[:images_kept(ids, images.token_id, counts)] if sources else sources
             except DropSample as e:
                 reason = str(e)
-        for name, value in zip(("input_ids", "labels", "length", "cut", "drop_reason", *ROW_COLUMNS),
-                               (ids, labels, len(ids), cut, reason, *origin)):
+        for name, value in zip(("input_ids", "labels", "length", "cut", "drop_reason", "images", *ROW_COLUMNS),
+                               (ids, labels, len(ids), cut, reason, sources if not reason else [], *origin)):
             out[name].append(value)
     return out
+
+
+def expand_images(ids: list[int], labels: list[int], token_id: int, counts: list[int]) -> tuple[list[int], list[int]]:
+    """The row with its k-th image placeholder repeated counts[k] times, as the family's processor
+    expands it: one token per vision embedding, never supervised."""
+    if ids.count(token_id) != len(counts):
+        raise DropSample("the image placeholders of the rendered text are not the conversation's images, one each "
+                         "(the text holds the placeholder itself, or the tokenizer splits it)")
+    out_ids, out_labels, counts = [], [], iter(counts)
+    for token, label in zip(ids, labels):
+        n = next(counts) if token == token_id else 1
+        out_ids += [token] * n
+        out_labels += [IGNORE_INDEX if token == token_id else label] * n
+    return out_ids, out_labels
+
+
+def images_kept(ids: list[int], token_id: int, counts: list[int]) -> int:
+    """How many of the row's images `ids` (the row as data.max_seq_len cut it) holds whole; DropSample
+    where the cut falls inside an image."""
+    held, total = ids.count(token_id), 0
+    for k, count in enumerate(counts):
+        if total == held:
+            return k
+        total += count
+    if total != held:
+        raise DropSample("data.max_seq_len cuts through an image: raise data.max_seq_len, or lower the image "
+                         "processor's max_pixels (its preprocessor_config.json)")
+    return len(counts)

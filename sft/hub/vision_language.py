@@ -11,12 +11,22 @@ found in the files (by the embedding's name and shape), not from a list of famil
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 # The kept tensors in a checkpoint's hf/; its metadata records the language model's names in the files.
 KEPT = "kept.safetensors"
+# The processor's files beside the tokenizer's: kept in hf/ and exported, so the export takes images as the original
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(source: Path, out: Path) -> None:
+    """The processor files (`PROCESSOR_FILES`) `source` holds, copied into `out`."""
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out / name)
 
 
 @dataclass(frozen=True)

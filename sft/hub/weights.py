@@ -32,7 +32,7 @@ from sft.config import ModelConfig
 from sft.distributed import local_slice, rank0_first
 from sft.hub.layout import FileLayout, is_adapter, quantized_experts_problem
 from sft.hub.safetensors_files import DamagedFile, SafetensorsFiles, UnsupportedDtype
-from sft.hub.vision_language import KEPT, checkpoint_class, file_names, kept_names
+from sft.hub.vision_language import KEPT, checkpoint_class, copy_processor_files, file_names, kept_names
 from sft.models.architecture import decoder
 from sft.models.build import (ModelError, build_meta_model, clean_name, missing_local_dir, model_config,
                               persistent_buffers, real_buffers)
@@ -46,15 +46,20 @@ from sft.models.vision_language import is_vision_language
 READ_THREADS, READ_AHEAD = 4, 8
 
 
+def files_directory(name_or_path: str) -> Path:
+    """The directory of a model's files: `name_or_path`, or for a hub id its snapshot in the HF cache
+    (its safetensors and json files, fetched once)."""
+    if missing := missing_local_dir("model.name_or_path", name_or_path):
+        raise missing
+    root = Path(name_or_path)
+    return root if root.is_dir() else Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+
+
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
     def __init__(self, directory: str, model: nn.Module):
-        if missing := missing_local_dir("model.name_or_path", directory):
-            raise missing
-        root = Path(directory)
-        if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
-            root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
+        root = files_directory(directory)
         self.source, self.root = directory, root
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -323,6 +328,7 @@ def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> No
         model.config.save_pretrained(directory)
         return
     config.save_pretrained(directory)
+    copy_processor_files(files_directory(cfg.name_or_path), directory)
     weights = SafetensorsWeights(cfg.name_or_path, model)
     with weights.reading():
         kept = {name: weights.read_as_stored(name) for name in weights.kept()}

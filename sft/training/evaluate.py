@@ -11,7 +11,7 @@ from sft.data.batches import MicroBatches
 from sft.data.masking import IGNORE_INDEX
 from sft.distributed import DistEnv, all_reduce_sum, decided_on_rank0, log0
 from sft.parallel.mesh import ParallelDims
-from sft.training.loss import loss_inputs, on_device
+from sft.training.loss import image_inputs, loss_inputs, on_device
 from sft.training.metrics import MetricsLogger, StepMetrics
 from sft.training.model import TrainingModel
 
@@ -83,7 +83,7 @@ def evaluate(built: TrainingModel, batches: MicroBatches, micro_batch_size: int,
             batch["labels"].fill_(IGNORE_INDEX)
         inputs = loss_inputs(batch, dims)
         tokens += len(inputs["target_ids"])
-        ce_sum += built.loss(**on_device(inputs, env.device)).double()
+        ce_sum += built.loss(**on_device(inputs, env.device), images=image_inputs(built, batch)).double()
     model.train()
     total_ce, total_tokens = all_reduce_sum([ce_sum.item(), tokens], env.device).tolist()
     return total_ce / total_tokens

@@ -29,6 +29,7 @@ from sft.errors import UserError
 from sft.models.architecture import Logits, decoder, text_config
 from sft.models.gated_deltanet import CP_ROWS, DOCUMENT_ENDS, DocumentEnds, RowParts, document_ends
 from sft.models.packing import ONE_DOCUMENT_A_ROW, Packing, PackingError
+from sft.models.vision import ImageInputs
 from sft.parallel.context_parallel import attention_masks, attention_windows, rank_share, shard_rows
 from sft.parallel.mesh import ParallelDims
 
@@ -196,8 +197,9 @@ class SFTLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, target_rows: torch.Tensor,
                 target_ids: torch.Tensor, document_ends: tuple[int, ...] | None = None,
-                **cp_layout: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`)."""
+                images: ImageInputs | None = None, **cp_layout: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy over the supervised tokens (arguments from `loss_inputs`; a
+        micro-batch's `images` from `image_inputs`)."""
         setting, ends = self.setting, None
         if document_ends is not None and setting.packing.document_ends:
             on_host = torch.tensor(document_ends)
@@ -210,8 +212,10 @@ class SFTLoss(nn.Module):
             extra = {DOCUMENT_ENDS: ends} if ends is not None else {}
             if document_ends is not None and setting.packing.masks:
                 extra["attention_mask"] = document_masks(self.text_config, setting.packing.masks, position_ids)
-        hidden = self.get_submodule(self.decoder_name)(input_ids=input_ids, position_ids=position_ids,
-                                                       use_cache=False, **extra).last_hidden_state
+        decoder = self.get_submodule(self.decoder_name)
+        inputs = {"input_ids": input_ids, "position_ids": position_ids} if images is None else \
+            images.decoder_inputs(decoder.get_input_embeddings(), input_ids)
+        hidden = decoder(**inputs, use_cache=False, **extra).last_hidden_state
         weight = self.get_submodule(self.head_name).weight
         if setting.logits.vocab is not None:
             weight = weight[: setting.logits.vocab]
@@ -219,6 +223,13 @@ class SFTLoss(nn.Module):
         if torch.is_grad_enabled():
             return LinearCrossEntropy.apply(*args, setting.logits)
         return _chunked_cross_entropy(*args, grad_hidden=False, grad_weight=False, head=setting.logits)[0]
+
+
+def image_inputs(built: TrainingModel, batch: dict) -> ImageInputs | None:
+    """A micro-batch's images as the language model takes them (sft/models/vision.py), None without."""
+    if "images" not in batch:
+        return None
+    return built.vision.inputs(built.vision.host_inputs(batch["input_ids"], built.images.pixels(batch["images"])))
 
 
 def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
@@ -248,7 +259,7 @@ def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.T
             built.loss.set_requires_gradient_sync(i == len(inputs) - 1)
         if moe:
             moe.begin_micro_batch(to_device(real[i], device))
-        loss = built.loss(**on_device(batch, device))
+        loss = built.loss(**on_device(batch, device), images=image_inputs(built, micro_batches[i]))
         if moe:
             moe.end_micro_batch()  # before backward, which may recompute the blocks
         (loss / num_tokens).backward()

@@ -16,13 +16,16 @@ import torch
 from transformers import PreTrainedModel
 
 from sft.adapters.lora import LoRA, apply_lora
-from sft.config import DTYPES, Config
+from sft.config import DTYPES, Config, ConfigError
+from sft.data.images import ImageTokens
 from sft.distributed import log0, rank0_first
+from sft.hub.weights import files_directory
 from sft.models.architecture import Logits, decoder_blocks
-from sft.models.build import build_meta_model, materialize, real_buffers, use_causal_sdpa
+from sft.models.build import build_meta_model, materialize, model_config, real_buffers, use_causal_sdpa
 from sft.models.gated_deltanet import use_gated_deltanet_kernels
 from sft.models.moe import MoE, apply_moe
 from sft.models.packing import check_packing
+from sft.models.vision import VisionTower
 from sft.parallel.mesh import ParallelDims
 from sft.parallel.parallelize import parallelize
 from sft.training.loss import SFTLoss
@@ -35,10 +38,17 @@ class TrainingModel:
     moe: MoE | None  # the MoE handle (sft/models/moe.py); None for a dense model
     lora: LoRA | None  # the LoRA handle (sft/adapters/lora.py); None without LoRA
     loss: SFTLoss  # loss(**loss_inputs(batch)): the summed cross-entropy; FSDP's root unit (sft/training/loss.py)
+    images: ImageTokens | None = None  # for data with images: the image processor (sft/data/images.py)
+    vision: VisionTower | None = None  # and the frozen vision tower (sft/models/vision.py)
 
 
-def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) -> TrainingModel:
-    """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`."""
+def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device,
+                         images: ImageTokens | None = None) -> TrainingModel:
+    """Collective: the model of `cfg`, parallelized over the mesh of `dims` and materialised on `device`;
+    with `images` (the data holds some), its vision tower beside it."""
+    if images is not None and dims.cp_enabled:
+        raise ConfigError(f"cp.degree={dims.cp}: the data holds images, whose rows are not split over ranks yet; "
+                          "set cp.degree=1")
     model = rank0_first(lambda: build_meta_model(cfg.model))
     head = rank0_first(lambda: Logits.of(model))  # the fused lm_head + cross-entropy computes it, or one line
     # Packed documents kept apart (layers that carry state restart, masks the model does not build from
@@ -68,4 +78,6 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device) 
     assert dict(loss.named_children()) == dict(model.named_children()), "the loss no longer holds the model's children"
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
     model.train()
-    return TrainingModel(model, moe, lora, loss)
+    vision = rank0_first(lambda: VisionTower(model_config(cfg.model), files_directory(cfg.model.name_or_path), device,
+                                             DTYPES[cfg.fsdp.param_dtype])) if images else None
+    return TrainingModel(model, moe, lora, loss, images, vision)

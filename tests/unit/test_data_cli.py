@@ -98,7 +98,7 @@ BAD_PARTS = {
     '{"type": "text", "text": null}': "user content has a text part with no text, expected a string",
     '{"text": "hi"}': "user content has a part without a type (keys text)",
     '{"image_url": {"url": "x.png"}}': "user content has a part without a type (keys image_url)",
-    '{"type": "image_url", "image_url": {"url": "x.png"}}': "user content has a 'image_url' part: only text parts",
+    '{"type": "image_url", "image_url": {"url": "x.png"}}': "user content has an image: this model takes none",
     '"hi"': "user content is a list of other things than content parts",
 }
 

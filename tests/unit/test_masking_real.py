@@ -121,7 +121,7 @@ def test_several_text_parts_join_by_newlines_and_an_image_part_drops_the_row(tem
     assert tok.decode(ids[start:end]) == expected_turn_text(name, joined[1])
     image = [user([{"type": "image_url", "image_url": {"url": "cat.png"}}, {"type": "text", "text": "What?"}]),
              assistant("A cat.")]
-    with pytest.raises(DropSample, match="user content has a 'image_url' part: only text parts train"):
+    with pytest.raises(DropSample, match="user content has an image: this model takes none"):
         tokenize_conversation(tok, image, None, max_seq_len=4096)
 
 

@@ -23,7 +23,7 @@ FLOORS = [
     {"training"},
     {"plan", "chat", "plot"},
 ]
-MAX_LINES = {"module": 400, "function": 80, "module docstring": 30, "sft/models/": 1600}
+MAX_LINES = {"module": 400, "function": 80, "module docstring": 30, "sft/models/": 1750}
 MAX_ARGUMENTS = 10
 
 SOURCES = {path: ast.parse(path.read_text()) for path in sorted((REPO / "sft").rglob("*.py"))}

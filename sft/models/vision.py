@@ -1,0 +1,107 @@
+"""Images into the language model: the vision tower of a vision-language checkpoint, frozen.
+
+The trained model is the checkpoint's language model (sft/models/vision_language.py). For rows with
+images, the tower (transformers' own modules of the vision-language model, built from its config
+and loaded from the checkpoint's files) turns each micro-batch's pixels into one embedding per
+image placeholder token; the fused loss puts them in place of those tokens' embeddings and runs the
+language model on them (sft/training/loss.py), with the positions the family gives image tokens
+(multimodal rotary: t, h, w per token, from transformers' `get_rope_index`) and, for Qwen3-VL, the
+tower's features added in the first blocks (deepstack). That is the vision-language class's forward,
+piece by piece, so its loss is the class's (tests/integration/test_images.py).
+
+The tower is frozen (its weights as the files hold them; the export keeps them byte for byte) and
+runs without autograd, in the run's compute dtype, whole on every rank: Qwen3.5's is ~0.4B parameters.
+Packing rows with images and context parallelism over them are refused (sft/data/batches.py,
+build_training_model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForImageTextToText, PretrainedConfig
+
+from sft.distributed import to_device
+from sft.models.build import ModelError, parameters_on_meta
+
+# The families whose images train here: mrope positions from get_rope_index, one placeholder token
+# per merged patch (their processors expand it so), features in place of the placeholders.
+IMAGE_FAMILIES = {"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_vl": "Qwen3-VL",
+                  "qwen3_vl_moe": "Qwen3-VL-MoE"}
+
+
+@dataclass
+class ImageInputs:
+    """A micro-batch's images as the language model takes them (on the device)."""
+    mask: torch.Tensor  # [rows, length]: the image placeholder tokens
+    embeddings: torch.Tensor  # [placeholders, hidden]: the tower's, in the mask's order
+    position_ids: torch.Tensor  # [3, rows, length]: multimodal rotary positions
+    extra: dict = field(default_factory=dict)  # the family's further decoder inputs (Qwen3-VL's deepstack)
+
+    def decoder_inputs(self, embed: nn.Module, input_ids: torch.Tensor) -> dict:
+        """The decoder's inputs: token embeddings with the images' in place of their placeholders."""
+        tokens = embed(input_ids)
+        inputs_embeds = tokens.masked_scatter(self.mask[..., None], self.embeddings.to(tokens.dtype))
+        return {"inputs_embeds": inputs_embeds, "position_ids": self.position_ids, **self.extra}
+
+
+class VisionTower:
+    """The frozen vision tower of the vision-language checkpoint of `config` whose files are in
+    `directory`, on `device` in `dtype`."""
+
+    def __init__(self, config: PretrainedConfig, directory: Path, device: torch.device, dtype: torch.dtype):
+        with parameters_on_meta():
+            whole = AutoModelForImageTextToText.from_config(config)
+        self.model = whole.model  # transformers' vision-language model: tower, projector, language model
+        del self.model.language_model  # trained as the run's model
+        _load(self.model, directory, device, dtype)
+        for name, buffer in list(self.model.named_buffers()):  # real already (rotary frequencies): kept as made
+            module, _, leaf = name.rpartition(".")
+            setattr(self.model.get_submodule(module), leaf, buffer.to(device))
+        self.model.eval()
+        self.token_id, self.device = config.image_token_id, device
+
+    def host_inputs(self, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On the host, for a micro-batch of `input_ids` with its images' `pixels` (the image
+        processor's pixel_values and image_grid_thw): those, the placeholder mask and the rows'
+        multimodal positions."""
+        mask = input_ids == self.token_id
+        positions, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=mask.int(),
+                                                 image_grid_thw=pixels["image_grid_thw"])
+        return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"], "mask": mask,
+                "position_ids": positions}
+
+    @torch.no_grad()
+    def inputs(self, host: dict[str, torch.Tensor]) -> ImageInputs:
+        """The micro-batch's ImageInputs from `host_inputs`."""
+        host = {name: to_device(value, self.device) for name, value in host.items()}
+        out = self.model.get_image_features(host["pixel_values"], host["image_grid_thw"], return_dict=True)
+        extra = {}
+        if (deepstack := getattr(out, "deepstack_features", None)) is not None:
+            extra = {"visual_pos_masks": host["mask"],
+                     "deepstack_visual_embeds": [f if isinstance(f, torch.Tensor) else torch.cat(f) for f in deepstack]}
+        return ImageInputs(host["mask"], torch.cat(list(out.pooler_output)), host["position_ids"], extra)
+
+
+def _load(model: nn.Module, source: Path, device: torch.device, dtype: torch.dtype) -> None:
+    """The tower's parameters, frozen, from the checkpoint's safetensors files (named as the
+    vision-language class names them: `model.` + the name here)."""
+    index = source / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"] if (source / "model.safetensors").is_file() else []
+    wanted = {f"model.{name}": name for name, _ in model.named_parameters()}
+    for file in files:
+        with safe_open(source / file, framework="pt") as f:
+            for name in set(f.keys()) & set(wanted):
+                module, _, leaf = wanted.pop(name).rpartition(".")
+                tensor = f.get_tensor(name).to(device, dtype)
+                setattr(model.get_submodule(module), leaf, nn.Parameter(tensor, requires_grad=False))
+    if wanted:
+        raise ModelError(f"images: {source} lacks {len(wanted)} tensors of the vision tower (e.g. "
+                         f"{next(iter(wanted))}): the tower trains frozen from a checkpoint's weights "
+                         "(model.init=random makes none; scripts/save_random_checkpoint.py writes random ones)")

@@ -1,0 +1,70 @@
+"""Images in conversations (sft/data/images.py, sft/models/vision.py): a tiny Qwen3.5 and Qwen3-VL
+train on questions about pictures, their losses transformers' own vision-language class's on the
+same rows and pixels, on 1 and 2 ranks; the export is the original checkpoint, tower unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import eval_losses, image_model_dir, run_demo
+
+
+def hf_image_eval_loss(model, data, model_dir) -> float:
+    """transformers' own loss of the vision-language `model` on the eval set of `data` (tokenised as
+    the run tokenises it; pixels from the checkpoint's image processor, as its processor gives
+    them), averaged over supervised tokens: what a run's eval reports."""
+    from transformers import AutoImageProcessor
+
+    from sft.config import ModelConfig, load_config
+    from sft.data.collate import collate
+    from sft.data.images import image_tokens, open_image
+    from sft.data.prepare import load_sft_data
+    from sft.hub.tokenizer import load_tokenizer
+
+    cfg = load_config("configs/demo.yaml", [f"data.path={data / 'train.jsonl'}", f"data.eval_path={data / 'eval.jsonl'}"])
+    model_cfg = ModelConfig(name_or_path=str(model_dir))
+    tokenizer = load_tokenizer(model_cfg)
+    _, evals = load_sft_data(cfg.data, tokenizer, 0, image_tokens(model_cfg, tokenizer))
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    ce, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(evals), 8):
+            rows = [evals[i] for i in range(start, min(start + 8, len(evals)))]
+            batch = collate(rows, 0, 256)
+            pixels = processor(images=[open_image(s) for row in rows for s in row["images"]], return_tensors="pt")
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            loss = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False,
+                         mm_token_type_ids=(batch["input_ids"] == model.config.image_token_id).int(), **pixels).loss
+            ce += loss.item() * n
+            count += n
+    return ce / count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("qwen3_vl", 1)])
+def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image_data, model_type, nproc):
+    """Qwen3.5 (Gated DeltaNet, multimodal rotary positions) on 2 ranks and Qwen3-VL (its tower's
+    deepstack features added in the first block) on 1: the run's first eval equals transformers'
+    vision-language class on the original files, its last eval that class loaded from the export;
+    the export's vision tower is the original's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    def tensors(directory):
+        return {name: t for file in sorted(directory.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+    source = image_model_dir(tmp_path, model_type)
+    run = run_demo(image_data, tmp_path, "images", "model.init=pretrained", f"model.name_or_path={source}",
+                   "train.max_steps=3", "eval.every_steps=3", nproc=nproc)
+    assert "200 train samples (200 with images)" in run.stdout
+    first, last = eval_losses(tmp_path / "images")[0], eval_losses(tmp_path / "images")[-1]
+    assert last < first
+    original = AutoModelForImageTextToText.from_pretrained(source)
+    assert hf_image_eval_loss(original, image_data, source) == pytest.approx(first, rel=1e-5)
+    export = tmp_path / "images" / "export"
+    exported = AutoModelForImageTextToText.from_pretrained(export)
+    assert hf_image_eval_loss(exported, image_data, export) == pytest.approx(last, rel=1e-5)  # its own processor
+    before, after = tensors(source), tensors(export)
+    tower = [name for name in before if ".visual." in name]
+    assert tower and all(torch.equal(before[name], after[name]) for name in tower)
