@@ -103,6 +103,9 @@
 #             (scripts/bench_load.py), then the same LoRA run from it; lora-p7b-files: P-7B LoRA from the
 #             peer's checkpoint of the 7B (15 GB), and with PEER_DIR set TRL's launch -> step 2 on the same files
 #             (ONLY=regex picks lora-p7b / lora30b / lora-qwen35-9b / load30b-24 / lora-p7b-files)
+#   images    issue #61, one GPU: Qwen3.5-9B shapes as published (configs/models/qwen3.5-9b-vl, random weights saved
+#             once to /tmp) on rows of one 448 x 448 picture and ~1.1k text tokens (scripts/image_bench_data.py),
+#             LoRA r16, the tower frozen: configs/bench/images.yaml as it is and with plan.auto (needs fla-core + tilelang)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -804,6 +807,19 @@ RUNS
             "$LOGS/startup-peer-lora-p7b-$launch.log" | cut -d' ' -f2) s)"
         done
       fi
+      ;;
+    images)
+      python3 -c "import fla, tilelang" || { echo "images needs fla-core and tilelang (see qwen35)"; exit 1; }
+      python3 -c "import torchvision; print('torchvision', torchvision.__version__)" 2>&1 | tail -1
+      q35vl=/tmp/qwen3.5-9b-vl
+      mkdir -p "$q35vl-files" && cp configs/models/qwen3.5-9b-vl/* "$q35vl-files/" &&
+        cp configs/demo_vlm/model/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$q35vl-files/"
+      [ -f "$q35vl/config.json" ] || hf_checkpoint "$q35vl-files" "$q35vl"
+      (cd scripts && python3 image_bench_data.py --out ../data/bench/images --rows $((NGPU * 8 * (STEPS + 2))))
+      ac_runs images <<RUNS
+images-lora-q35-9b configs/bench/images.yaml model.name_or_path=$q35vl
+images-lora-q35-9b-auto configs/bench/images.yaml model.name_or_path=$q35vl plan.auto=true
+RUNS
       ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;

@@ -1,0 +1,44 @@
+"""The image benchmark's rows: one picture and about a thousand text tokens each (seeded; no network).
+
+    python scripts/image_bench_data.py --out data/bench/images --rows 512 --size 448
+
+Each conversation asks about one SIZE x SIZE picture of a coloured shape (scripts/demo_data.py draws
+it; 448 x 448 is 196 vision tokens for Qwen3.5's 16-pixel patches merged 2 x 2) and answers with
+WORDS random words (~1,000 tokens of the demo tokenizer at the default), so that rows are one image
+and a long reply, as in document and screenshot SFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from demo_data import WORDS, picture
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="data/bench/images")
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--size", type=int, default=448)
+    parser.add_argument("--words", type=int, default=450)
+    args = parser.parse_args()
+    out, rng = Path(args.out), random.Random(0)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(args.rows):
+        facts = picture(rng, out / "images" / f"{i}.png", args.size)
+        reply = f"It is a {facts['colour']} {facts['shape']} on the {facts['side']}. " + " ".join(
+            rng.choice(WORDS) for _ in range(args.words))
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"images/{i}.png"}},
+                                         {"type": "text", "text": "Describe the picture in detail."}]},
+            {"role": "assistant", "content": reply}]})
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"wrote {args.rows} rows with {args.size} x {args.size} pictures to {out}")
+
+
+if __name__ == "__main__":
+    main()
