@@ -105,7 +105,8 @@
 #             (ONLY=regex picks lora-p7b / lora30b / lora-qwen35-9b / load30b-24 / lora-p7b-files)
 #   images    issue #61, one GPU: Qwen3.5-9B shapes as published (configs/models/qwen3.5-9b-vl, random weights saved
 #             once to /tmp) on rows of one 448 x 448 picture and ~1.1k text tokens (scripts/image_bench_data.py),
-#             LoRA r16, the tower frozen: configs/bench/images.yaml as it is and with plan.auto (needs fla-core + tilelang)
+#             LoRA r16, the tower frozen: configs/bench/images.yaml as it is and with plan.auto (needs fla-core + tilelang),
+#             then the peer on the same files and rows (scripts/trl_vlm_bench.py; VLM_PEER picks its variants)
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -820,7 +821,18 @@ RUNS
 images-lora-q35-9b configs/bench/images.yaml model.name_or_path=$q35vl
 images-lora-q35-9b-auto configs/bench/images.yaml model.name_or_path=$q35vl plan.auto=true
 RUNS
-      ;;
+      # the peer on the same files and rows (scripts/trl_vlm_bench.py: TRL's SFTTrainer with the processor, peft LoRA
+      # on the same layers): each variant of VLM_PEER ("noac", "noac_liger", "ac", "ac_liger"; default all four)
+      for variant in ${VLM_PEER-noac noac_liger ac ac_liger}; do
+        log="$LOGS/trl-vlm-$variant.log"
+        ac=none; [[ $variant == ac* ]] && ac=full
+        liger=(); [[ $variant == *liger ]] && liger=(--liger)
+        TOKENIZERS_PARALLELISM=false timeout "${RUN_TIMEOUT:-300}" python3 scripts/trl_vlm_bench.py --model "$q35vl" \
+          --bs 8 --steps "$STEPS" --ac "$ac" "${liger[@]}" >"$log" 2>&1
+        echo "trl-vlm-$variant: exit $?"
+        if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/images.md
+        else grep -iE "error|out of memory" "$log" | tail -3; fi
+      done ;;
     summary)
       python3 scripts/bench_summary.py runs/bench/*/ --warmup 4 | tee runs/bench/summary.md ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -97,13 +97,13 @@ def main() -> None:
 IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # The demo's ChatML, an image part rendered as Qwen's placeholder between its markers
 VLM_CHAT_TEMPLATE = (
+    "{%- macro render(content) -%}{%- if content is string -%}{{- content -}}{%- else -%}"
+    "{%- for part in content -%}{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
     "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}{% generation %}{{- message['content'] + '<|im_end|>' -}}"
+    "{%- if message['role'] == 'assistant' -%}{% generation %}{{- render(message['content']) + '<|im_end|>' -}}"
     "{% endgeneration %}{{- '\\n' -}}"
-    "{%- elif message['content'] is string -%}{{- message['content'] + '<|im_end|>\\n' -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- else -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- render(message['content']) + '<|im_end|>\\n' -}}{%- endif -%}"
     "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 
 
