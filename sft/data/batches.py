@@ -89,14 +89,15 @@ class MicroBatches:
             samples = self._samples(indices)
             batch = collate(samples, self.pad_token_id, self.cfg.max_seq_len, self.cfg.pad_to_multiple_of,
                             pad_to_max=self.cfg.pad_to == "max_seq_len")
-            if images := [source for s in samples for source in s["images"]]:
-                batch["images"] = images
-            return batch, sum(len(s["input_ids"]) for s in samples)
-        groups = [self.packed_rows[i] for i in indices]
-        samples = iter(self._samples([i for group in groups for i in group]))
-        rows = [[next(samples) for _ in group] for group in groups]
-        tokens = sum(len(s["input_ids"]) for row in rows for s in row)
-        return collate_packed(rows, self.pad_token_id, self.cfg.max_seq_len), tokens
+        else:
+            groups = [self.packed_rows[i] for i in indices]
+            samples = self._samples([i for group in groups for i in group])  # row after row, as they are laid
+            laid = iter(samples)
+            rows = [[next(laid) for _ in group] for group in groups]
+            batch = collate_packed(rows, self.pad_token_id, self.cfg.max_seq_len)
+        if images := [source for s in samples for source in s["images"]]:
+            batch["images"] = images
+        return batch, sum(len(s["input_ids"]) for s in samples)
 
 
 class TrainBatches:
@@ -106,9 +107,6 @@ class TrainBatches:
     def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig, micro_batch_size: int,
                  grad_accum_steps: int, global_batch: int, rank: int, seed: int):
         self.with_images = sum(bool(images) for images in dataset["images"]) if "images" in dataset.column_names else 0
-        if cfg.packing and self.with_images:
-            raise ConfigError(f"data.packing=true: {self.with_images} training rows hold images, and rows with images "
-                              "do not pack yet; set data.packing=false")
         self.packed_rows = pack_best_fit(dataset["length"], cfg.max_seq_len) if cfg.packing else None
         self.sampler = StepSampler(len(self.packed_rows) if self.packed_rows else len(dataset), micro_batch_size,
                                    grad_accum_steps, global_batch, rank, seed)

@@ -11,8 +11,10 @@ piece by piece, so its loss is the class's (tests/integration/test_images.py).
 
 The tower is frozen (its weights as the files hold them; the export keeps them byte for byte) and
 runs without autograd, in the run's compute dtype, whole on every rank: Qwen3.5's is ~0.4B parameters.
-Packing rows with images and context parallelism over them are refused (sft/data/batches.py,
-build_training_model).
+Packed rows with images keep their documents apart by the text positions, which restart at each
+document (the decoder's masks are built from them; rotary attention being relative, each document's
+multimodal positions need no restart, but get one: they are as the document alone would have them).
+Context parallelism over rows with images is refused (build_training_model).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ImageInputs:
     """A micro-batch's images as the language model takes them (on the device)."""
     mask: torch.Tensor  # [rows, length]: the image placeholder tokens
     embeddings: torch.Tensor  # [placeholders, hidden]: the tower's, in the mask's order
-    position_ids: torch.Tensor  # [3, rows, length]: multimodal rotary positions
+    position_ids: torch.Tensor  # [4, rows, length]: the text positions, then the multimodal rotary ones
     extra: dict = field(default_factory=dict)  # the family's further decoder inputs (Qwen3-VL's deepstack)
 
     def decoder_inputs(self, embed: nn.Module, input_ids: torch.Tensor) -> dict:
@@ -66,15 +68,26 @@ class VisionTower:
         self.model.eval()
         self.token_id, self.device = config.image_token_id, device
 
-    def host_inputs(self, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """On the host, for a micro-batch of `input_ids` with its images' `pixels` (the image
-        processor's pixel_values and image_grid_thw): those, the placeholder mask and the rows'
-        multimodal positions."""
+    def host_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixels: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+        """On the host, for a micro-batch of `input_ids` and `position_ids` (restarting at each packed
+        document) with its images' `pixels` (the image processor's pixel_values and image_grid_thw):
+        those, the placeholder mask and the positions the decoder takes: the text positions, then the
+        multimodal ones (t, h, w), each document's from transformers' get_rope_index."""
         mask = input_ids == self.token_id
-        positions, _ = self.model.get_rope_index(input_ids, mm_token_type_ids=mask.int(),
-                                                 image_grid_thw=pixels["image_grid_thw"])
+        grids = iter(pixels["image_grid_thw"])
+        multimodal = torch.empty((3, *input_ids.shape), dtype=torch.long)
+        for row, starts in enumerate(position_ids == 0):
+            bounds = [*starts.nonzero().flatten().tolist(), input_ids.shape[1]]
+            for start, end in zip(bounds, bounds[1:]):
+                document = mask[row, start:end]
+                images = int((document & ~torch.cat([document.new_zeros(1), document[:-1]])).sum())
+                grid = torch.stack([next(grids) for _ in range(images)]) if images else None
+                positions, _ = self.model.get_rope_index(input_ids[None, row, start:end],
+                                                         mm_token_type_ids=document[None].int(), image_grid_thw=grid)
+                multimodal[:, row, start:end] = positions[:, 0]
         return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"], "mask": mask,
-                "position_ids": positions}
+                "position_ids": torch.cat([position_ids[None], multimodal])}
 
     @torch.no_grad()
     def inputs(self, host: dict[str, torch.Tensor]) -> ImageInputs:

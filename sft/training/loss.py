@@ -229,7 +229,8 @@ def image_inputs(built: TrainingModel, batch: dict) -> ImageInputs | None:
     """A micro-batch's images as the language model takes them (sft/models/vision.py), None without."""
     if "images" not in batch:
         return None
-    return built.vision.inputs(built.vision.host_inputs(batch["input_ids"], built.images.pixels(batch["images"])))
+    pixels = built.images.pixels(batch["images"])
+    return built.vision.inputs(built.vision.host_inputs(batch["input_ids"], batch["position_ids"], pixels))
 
 
 def forward_backward(built: TrainingModel, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,

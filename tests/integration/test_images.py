@@ -1,6 +1,7 @@
 """Images in conversations (sft/data/images.py, sft/models/vision.py): a tiny Qwen3.5 and Qwen3-VL
 train on questions about pictures, their losses transformers' own vision-language class's on the
-same rows and pixels, on 1 and 2 ranks; the export is the original checkpoint, tower unchanged."""
+same rows and pixels, on 1 and 2 ranks; the export is the original checkpoint, tower unchanged;
+packed rows with images give the loss and gradients of padded ones."""
 
 from __future__ import annotations
 
@@ -68,3 +69,53 @@ def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image
     before, after = tensors(source), tensors(export)
     tower = [name for name in before if ".visual." in name]
     assert tower and all(torch.equal(before[name], after[name]) for name in tower)
+
+
+@pytest.fixture
+def world_of_one():
+    """A process group of one for an in-process build (tests/zoo.py: `_one_rank`), gone after the test."""
+    from zoo import _one_rank
+
+    yield _one_rank()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_of_one):
+    """Qwen3.5 (Gated DeltaNet layers restart at each document; each document's multimodal positions
+    start afresh): four conversations about pictures packed three and one to a row give the loss and
+    every gradient of the same four padded, as a run builds the model (packing on, on one rank)."""
+    import dataclasses
+
+    from sft.checkpoint.model_weights import load_model_weights
+    from sft.config import Config, DataConfig, FSDPConfig, ModelConfig
+    from sft.data.batches import MicroBatches
+    from sft.data.images import image_tokens
+    from sft.data.prepare import load_sft_data
+    from sft.hub.tokenizer import load_tokenizer
+    from sft.parallel.mesh import ParallelDims
+    from sft.training.loss import forward_backward
+    from sft.training.model import build_training_model
+
+    data = DataConfig(path=str(image_data / "eval.jsonl"), packing=True)
+    run = Config(model=ModelConfig(name_or_path=str(image_model_dir(tmp_path, "qwen3_5")), init="pretrained"),
+                 data=data, fsdp=FSDPConfig(param_dtype="float32"))
+    tokenizer = load_tokenizer(run.model)
+    images = image_tokens(run.model, tokenizer)
+    rows, _ = load_sft_data(data, tokenizer, 0, images)
+    built = build_training_model(run, ParallelDims(1).build("cpu"), world_of_one.device, images)
+    load_model_weights(run, built.model, world_of_one)
+    padded, _ = MicroBatches(rows, 0, dataclasses.replace(data, packing=False))([0, 1, 2, 3])
+    packed, _ = MicroBatches(rows, 0, data, packed_rows=[[0, 1, 2], [3]])([0, 1])
+    assert packed["input_ids"].shape[0] == 2 and packed["images"] == padded["images"]
+
+    def loss_and_grads(batch):
+        built.model.zero_grad()
+        ce, _ = forward_backward(built, [batch], world_of_one.device)
+        return ce.item(), {name: p.grad.full_tensor().clone() for name, p in built.model.named_parameters()}
+
+    (as_padded, padded_grads), (as_packed, packed_grads) = loss_and_grads(padded), loss_and_grads(packed)
+    assert as_packed == pytest.approx(as_padded, rel=1e-6)
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name

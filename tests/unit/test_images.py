@@ -1,6 +1,6 @@
 """Image parts into rows (sft/data/images.py, sft/data/rows.py): each image's placeholder expanded
 to its number of vision embeddings, never supervised; the supervised text decoded; bad images,
-video parts and cuts through an image dropped with the reason; rows with images refuse packing."""
+video parts and cuts through an image dropped with the reason."""
 
 from __future__ import annotations
 
@@ -97,17 +97,3 @@ def test_a_cut_keeps_the_images_before_it_and_drops_a_row_it_cuts_an_image_of(mo
                                 (first + 2, "data.max_seq_len cuts through an image", [])):
         out = _rows(model, [conversation], cut, image_dir=tmp_path)
         assert (out["drop_reason"][0].split(":")[0], out["images"][0]) == (reason, images), cut
-
-
-def test_rows_with_images_refuse_packing_in_one_line(model, tmp_path):
-    import datasets
-
-    from sft.config import ConfigError, DataConfig
-    from sft.data.batches import TrainBatches
-
-    _picture(tmp_path / "square.png", (64, 64))
-    rows = _rows(model, [_ask({"type": "image", "image": "square.png"})] * 4, image_dir=tmp_path)
-    dataset = datasets.Dataset.from_dict({k: rows[k] for k in ("input_ids", "labels", "length", "images")})
-    with pytest.raises(ConfigError, match=r"^data.packing=true: 4 training rows hold images, and rows with images do "
-                                          r"not pack yet; set data.packing=false$"):
-        TrainBatches(dataset, 0, DataConfig(path="x.jsonl", packing=True), 1, 1, 1, 0, 0)
