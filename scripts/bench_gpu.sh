@@ -106,7 +106,9 @@
 #   images    issue #61, one GPU: Qwen3.5-9B shapes as published (configs/models/qwen3.5-9b-vl, random weights saved
 #             once to /tmp) on rows of one 448 x 448 picture and ~1.1k text tokens (scripts/image_bench_data.py),
 #             LoRA r16, the tower frozen: configs/bench/images.yaml as it is and with plan.auto (needs fla-core + tilelang),
-#             then the peer on the same files and rows (scripts/trl_vlm_bench.py; VLM_PEER picks its variants)
+#             then the peer on the same files and rows (scripts/trl_vlm_bench.py; VLM_PEER picks its variants);
+#             with IMAGE_VARLEN=1 the replies vary in length (log-normal, sigma 0.8) and ours packs them
+#             (data.packing, 8,192-token rows, plan.auto) against the peer's padded batches
 #   summary   one table of all runs
 # Results: runs/bench/<name>/metrics.jsonl and logs; with $OUT set, a tarball + summary there.
 # EXTRA="key=value ..." appends overrides to every run of an ac_runs stage (e.g. logging.profile_steps=[6,7]).
@@ -816,11 +818,17 @@ RUNS
       mkdir -p "$q35vl-files" && cp configs/models/qwen3.5-9b-vl/* "$q35vl-files/" &&
         cp configs/demo_vlm/model/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$q35vl-files/"
       [ -f "$q35vl/config.json" ] || hf_checkpoint "$q35vl-files" "$q35vl"
-      (cd scripts && python3 image_bench_data.py --out ../data/bench/images --rows $((NGPU * 8 * (STEPS + 2))))
-      ac_runs images <<RUNS
+      images=data/bench/images${IMAGE_VARLEN:+_varlen}
+      sigma=0; [ -z "${IMAGE_VARLEN:-}" ] || sigma=0.8
+      (cd scripts && python3 image_bench_data.py --out "../$images" --rows $((NGPU * 8 * (STEPS + 8))) --sigma $sigma)
+      if [ -n "${IMAGE_VARLEN:-}" ]; then ac_runs images <<RUNS
+images-packed-q35-9b-auto configs/bench/images.yaml model.name_or_path=$q35vl data.path=$images/train.jsonl data.packing=true data.max_seq_len=8192 train.micro_batch_size=1 plan.auto=true
+RUNS
+      else ac_runs images <<RUNS
 images-lora-q35-9b configs/bench/images.yaml model.name_or_path=$q35vl
 images-lora-q35-9b-auto configs/bench/images.yaml model.name_or_path=$q35vl plan.auto=true
 RUNS
+      fi
       # the peer on the same files and rows (scripts/trl_vlm_bench.py: TRL's SFTTrainer with the processor, peft LoRA
       # on the same layers): each variant of VLM_PEER ("noac", "noac_liger", "ac", "ac_liger"; default all four)
       for variant in ${VLM_PEER-noac noac_liger ac ac_liger}; do
@@ -828,7 +836,7 @@ RUNS
         ac=none; [[ $variant == ac* ]] && ac=full
         liger=(); [[ $variant == *liger ]] && liger=(--liger)
         TOKENIZERS_PARALLELISM=false timeout "${RUN_TIMEOUT:-300}" python3 scripts/trl_vlm_bench.py --model "$q35vl" \
-          --bs 8 --steps "$STEPS" --ac "$ac" "${liger[@]}" >"$log" 2>&1
+          --data "$images/train.jsonl" --bs 8 --steps "$STEPS" --ac "$ac" "${liger[@]}" >"$log" 2>&1
         echo "trl-vlm-$variant: exit $?"
         if grep -q RESULT "$log"; then grep RESULT "$log" | tee -a runs/bench/images.md
         else grep -iE "error|out of memory" "$log" | tail -3; fi
