@@ -344,6 +344,9 @@ def image_model_dir(tmp: Path, model_type: str) -> Path:
                                                  **ids})
     (out / "config.json").unlink()
     AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    processor = json.loads((out / "preprocessor_config.json").read_text())  # the tower's patches (GLM's are 14 pixels)
+    processor["patch_size"] = config.vision_config.patch_size
+    (out / "preprocessor_config.json").write_text(json.dumps(processor))
     return out
 
 

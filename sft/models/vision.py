@@ -34,7 +34,8 @@ from sft.models.build import ModelError, parameters_on_meta
 # The families whose images train here: mrope positions from get_rope_index, one placeholder token
 # per merged patch (their processors expand it so), features in place of the placeholders.
 IMAGE_FAMILIES = {"qwen3_5": "Qwen3.5", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_vl": "Qwen3-VL",
-                  "qwen3_vl_moe": "Qwen3-VL-MoE"}
+                  "qwen3_vl_moe": "Qwen3-VL-MoE", "qwen2_5_vl": "Qwen2.5-VL", "glm4v": "GLM-4.1V",
+                  "glm4v_moe": "GLM-4.5V"}
 
 
 @dataclass
@@ -102,19 +103,22 @@ class VisionTower:
 
 
 def _load(model: nn.Module, source: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """The tower's parameters, frozen, from the checkpoint's safetensors files (named as the
-    vision-language class names them: `model.` + the name here)."""
+    """The tower's parameters, frozen, from the checkpoint's safetensors files, named as the
+    vision-language class names them (`model.` + the name here) or, as Qwen2.5-VL was published, as
+    they are here (`visual.`)."""
     index = source / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
         ["model.safetensors"] if (source / "model.safetensors").is_file() else []
-    wanted = {f"model.{name}": name for name, _ in model.named_parameters()}
+    wanted = {file_name: name for name, _ in model.named_parameters() for file_name in (f"model.{name}", name)}
+    missing = {name for name, _ in model.named_parameters()}
     for file in files:
         with safe_open(source / file, framework="pt") as f:
-            for name in set(f.keys()) & set(wanted):
-                module, _, leaf = wanted.pop(name).rpartition(".")
-                tensor = f.get_tensor(name).to(device, dtype)
+            for file_name in set(f.keys()) & set(wanted):
+                module, _, leaf = wanted[file_name].rpartition(".")
+                tensor = f.get_tensor(file_name).to(device, dtype)
                 setattr(model.get_submodule(module), leaf, nn.Parameter(tensor, requires_grad=False))
-    if wanted:
-        raise ModelError(f"images: {source} lacks {len(wanted)} tensors of the vision tower (e.g. "
-                         f"{next(iter(wanted))}): the tower trains frozen from a checkpoint's weights "
+                missing.discard(wanted[file_name])
+    if missing:
+        raise ModelError(f"images: {source} lacks {len(missing)} tensors of the vision tower (e.g. "
+                         f"model.{min(missing)}): the tower trains frozen from a checkpoint's weights "
                          "(model.init=random makes none; scripts/save_random_checkpoint.py writes random ones)")

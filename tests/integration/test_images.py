@@ -1,5 +1,5 @@
-"""Images in conversations (sft/data/images.py, sft/models/vision.py): a tiny Qwen3.5 and Qwen3-VL
-train on questions about pictures, their losses transformers' own vision-language class's on the
+"""Images in conversations (sft/data/images.py, sft/models/vision.py): tiny Qwen3.5, Qwen3-VL, Qwen2.5-VL,
+GLM-4.1V and GLM-4.5V train on questions about pictures, their losses transformers' own vision-language class's on the
 same rows and pixels, on 1 and 2 ranks; the export is the original checkpoint, tower unchanged;
 packed rows with images give the loss and gradients of padded ones."""
 
@@ -43,12 +43,14 @@ def hf_image_eval_loss(model, data, model_dir) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("qwen3_vl", 1)])
+@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("qwen3_vl", 1), ("qwen2_5_vl", 1), ("glm4v", 1),
+                                              ("glm4v_moe", 2)])
 def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image_data, model_type, nproc):
-    """Qwen3.5 (Gated DeltaNet, multimodal rotary positions) on 2 ranks and Qwen3-VL (its tower's
-    deepstack features added in the first block) on 1: the run's first eval equals transformers'
-    vision-language class on the original files, its last eval that class loaded from the export;
-    the export's vision tower is the original's."""
+    """Qwen3.5 (Gated DeltaNet, multimodal rotary positions) and GLM-4.5V (routed experts) on 2 ranks,
+    Qwen3-VL (its tower's deepstack features added in the first block), Qwen2.5-VL (files as it was
+    published: the tower under visual.) and GLM-4.1V (14-pixel patches) on 1: the run's first eval
+    equals transformers' vision-language class on the original files, its last eval that class loaded
+    from the export; the export's vision tower is the original's."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -67,7 +69,7 @@ def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image
     exported = AutoModelForImageTextToText.from_pretrained(export)
     assert hf_image_eval_loss(exported, image_data, export) == pytest.approx(last, rel=1e-5)  # its own processor
     before, after = tensors(source), tensors(export)
-    tower = [name for name in before if ".visual." in name]
+    tower = [name for name in before if "visual." in name]  # model.visual. as saved, visual. as Qwen2.5-VL was published
     assert tower and all(torch.equal(before[name], after[name]) for name in tower)
 
 
@@ -83,9 +85,10 @@ def world_of_one():
 
 
 def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_of_one):
-    """Qwen3.5 (Gated DeltaNet layers restart at each document; each document's multimodal positions
-    start afresh): four conversations about pictures packed three and one to a row give the loss and
-    every gradient of the same four padded, as a run builds the model (packing on, on one rank)."""
+    """Qwen3.5-MoE (our routed experts and gated shared expert; Gated DeltaNet layers restart at each
+    document; each document's multimodal positions start afresh): four conversations about pictures
+    packed three and one to a row give the loss and every gradient of the same four padded, as a run
+    builds the model (packing on, on one rank)."""
     import dataclasses
 
     from sft.checkpoint.model_weights import load_model_weights
@@ -99,7 +102,7 @@ def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_o
     from sft.training.model import build_training_model
 
     data = DataConfig(path=str(image_data / "eval.jsonl"), packing=True)
-    run = Config(model=ModelConfig(name_or_path=str(image_model_dir(tmp_path, "qwen3_5")), init="pretrained"),
+    run = Config(model=ModelConfig(name_or_path=str(image_model_dir(tmp_path, "qwen3_5_moe")), init="pretrained"),
                  data=data, fsdp=FSDPConfig(param_dtype="float32"))
     tokenizer = load_tokenizer(run.model)
     images = image_tokens(run.model, tokenizer)
