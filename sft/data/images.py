@@ -31,6 +31,68 @@ from sft.models.vision_language import is_vision_language
 
 IMAGE_PARTS = ("image", "image_url")
 UNSUPPORTED_PARTS = ("video", "video_url", "audio", "input_audio")
+IMAGE_COLUMNS = ("images", "image")  # a row's pictures beside its conversation (LLaVA, TRL, hub datasets)
+PLACEHOLDER = "<image>"  # where LLaVA-style text puts a picture of the images column
+
+
+def with_image_column(messages: Any, row: dict) -> Any:
+    """The messages with the pictures of the row's `images` (or `image`) column as image parts: in
+    place of each `<image>` in the text (LLaVA, ShareGPT), or of each image part without a picture
+    (TRL's format), in order; with neither, before the first user message's text (as TRL puts
+    them). A picture is a path, a URL, a decoded image (hub datasets) or {"bytes", "path"}."""
+    column = next((row[name] for name in IMAGE_COLUMNS if row.get(name) is not None), None)
+    pictures = [_as_source(value) for value in (column if isinstance(column, list) else [column])] if column else []
+    if not pictures or not isinstance(messages, list):
+        return messages
+    filled, slots = iter(pictures), 0
+
+    def picture() -> dict:  # the next picture, in a placeholder's place
+        nonlocal slots
+        slots += 1
+        return {"type": "image", "image": next(filled, None)}
+
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and PLACEHOLDER in content:
+            first, *rest = content.split(PLACEHOLDER)
+            m = {**m, "content": [{"type": "text", "text": first}] * bool(first) + [
+                part for piece in rest for part in [picture()] + [{"type": "text", "text": piece}] * bool(piece)]}
+        elif isinstance(content, list):
+            m = {**m, "content": [picture() if isinstance(part, dict) and part.get("type") == "image"
+                                  and not _has_picture(part) else part for part in content]}
+        out.append(m)
+    if not slots:  # no placeholder anywhere: the pictures open the first user turn
+        first = next((i for i, m in enumerate(out) if isinstance(m, dict) and m.get("role") == "user"), None)
+        if first is None:
+            raise DropSample("the row has pictures (its images column) but no user turn to put them in")
+        text = out[first].get("content")
+        out[first] = {**out[first], "content": [{"type": "image", "image": p} for p in pictures] +
+                      ([{"type": "text", "text": text}] if isinstance(text, str) else list(text or []))}
+    elif slots != len(pictures):
+        raise DropSample(f"the row's images column holds {len(pictures)} pictures and its conversation "
+                         f"{slots} places for them ({PLACEHOLDER} or image parts without a picture)")
+    return out
+
+
+def _has_picture(part: dict) -> bool:
+    return any(part.get(key) is not None for key in ("image", "url", "path"))
+
+
+def _as_source(value: Any) -> str:
+    """A picture of an images column as a source string: a path or URL as it is, a decoded image or
+    its bytes as a data URL."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytes):
+        return "data:image;base64," + base64.b64encode(value).decode()
+    if hasattr(value, "save"):  # a PIL image (a hub dataset's decoded Image column)
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    if not isinstance(value, str):
+        raise DropSample(f"the images column holds a {type(value).__name__}, expected paths, URLs or images")
+    return value
 
 
 def image_parts(messages: Any, image_dir: str) -> tuple[Any, list[str]]:
@@ -60,11 +122,12 @@ def image_parts(messages: Any, image_dir: str) -> tuple[Any, list[str]]:
 def part_source(part: dict, image_dir: str) -> str:
     """Where an image content part's image is: a data URL as written, else an absolute path
     (`file://` URLs and paths; relative ones from `image_dir`, the data file's directory)."""
-    value = part.get(part["type"]) if part["type"] == "image" else part.get("image_url")
-    if part["type"] == "image" and value is None:
-        value = part.get("url") or part.get("path")
-    if isinstance(value, dict):  # {"type": "image_url", "image_url": {"url": ...}}
-        value = value.get("url")
+    if part["type"] == "image_url":  # {"type": "image_url", "image_url": {"url": ...}} or the URL itself
+        value = part.get("image_url")
+        value = value.get("url") if isinstance(value, dict) else value
+    else:  # {"type": "image", "image": a path, URL, decoded image or its bytes}
+        value = next((part[key] for key in ("image", "url", "path") if part.get(key) is not None), None)
+        value = value if value is None or isinstance(value, str) else _as_source(value)
     if not isinstance(value, str) or not value:
         raise DropSample(f"an {part['type']} part without an image: write {{\"type\": \"image_url\", \"image_url\": "
                          "{\"url\": \"path, file:// or data: URL\"}} or {\"type\": \"image\", \"image\": \"path\"}")

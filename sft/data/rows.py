@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.images import ImageTokens, image_parts, open_image
+from sft.data.images import ImageTokens, image_parts, open_image, with_image_column
 from sft.data.masking import IGNORE_INDEX, DropSample, RowPlan, encode_segments, render_rows, truncate_tokenized
 from sft.data.sources import SOURCE_ROW
 
@@ -88,7 +88,9 @@ def tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, f
                 origins.append((source_row, 0, 1, [], 0, 0))
                 pictures.append(([], []))
                 continue
-            messages, tools = to_messages({column: values[i] for column, values in batch.items()}, fmt)
+            row = {column: values[i] for column, values in batch.items()}
+            messages, tools = to_messages(row, fmt)
+            messages = with_image_column(messages, row)
             sources: list[str] = []
             if images is not None:
                 messages, sources = image_parts(messages, image_dir)

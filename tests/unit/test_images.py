@@ -29,13 +29,13 @@ def _picture(path, size):
     return path
 
 
-def _rows(model, conversations, max_seq_len=256, images=True, image_dir="."):
+def _rows(model, conversations, max_seq_len=256, takes_images=True, image_dir=".", fmt="messages", **columns):
     from sft.data.rows import tokenize_batch
     from sft.data.sources import SOURCE_ROW
 
     tokenizer, tokens = model
-    return tokenize_batch({SOURCE_ROW: list(range(len(conversations))), "messages": conversations}, tokenizer,
-                          "messages", max_seq_len, False, {}, tokens if images else None, str(image_dir))
+    return tokenize_batch({SOURCE_ROW: list(range(len(conversations))), fmt: conversations, **columns}, tokenizer,
+                          fmt, max_seq_len, False, {}, tokens if takes_images else None, str(image_dir))
 
 
 def _ask(image_part, question="What colour?", answer="Red."):
@@ -97,3 +97,50 @@ def test_a_cut_keeps_the_images_before_it_and_drops_a_row_it_cuts_an_image_of(mo
                                 (first + 2, "data.max_seq_len cuts through an image", [])):
         out = _rows(model, [conversation], cut, image_dir=tmp_path)
         assert (out["drop_reason"][0].split(":")[0], out["images"][0]) == (reason, images), cut
+
+
+def test_pictures_of_an_images_column_fill_llava_placeholders_trl_parts_or_open_the_first_turn(model, tmp_path):
+    """LLaVA/ShareGPT rows (`<image>` in the text, the picture in an `image` column), TRL's rows (image
+    parts without a picture, the pictures decoded in an `images` column, as a hub dataset gives them)
+    and an images column with no placeholder at all train the same row as the OpenAI image part."""
+    from PIL import Image
+
+    tokenizer, _ = model
+    _picture(tmp_path / "square.png", (64, 64))
+    openai = _rows(model, [_ask({"type": "image_url", "image_url": {"url": "square.png"}})], image_dir=tmp_path)
+    llava = _rows(model, [[{"from": "human", "value": "<image>What colour?"}, {"from": "gpt", "value": "Red."}]],
+                  image_dir=tmp_path, fmt="conversations", image=["square.png"])
+    decoded = Image.open(tmp_path / "square.png")
+    trl = _rows(model, [_ask({"type": "image"})], image_dir=tmp_path, images=[[decoded]])
+    unplaced = _rows(model, [[{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "Red."}]],
+                     image_dir=tmp_path, images=[["square.png"]])
+    for out in (llava, trl, unplaced):
+        assert out["drop_reason"] == [""]
+        assert (out["input_ids"], out["labels"]) == (openai["input_ids"], openai["labels"])
+    assert llava["images"] == openai["images"] == [[str(tmp_path / "square.png")]]
+    assert trl["images"][0][0].startswith("data:image/png;base64,")
+    assert tokenizer.decode(llava["input_ids"][0]).startswith("<|im_start|>user\n<|vision_start|><|image_pad|>")
+    mismatch = _rows(model, [[{"from": "human", "value": "<image><image>What?"}, {"from": "gpt", "value": "Red."}]],
+                     image_dir=tmp_path, fmt="conversations", image=["square.png"])
+    assert mismatch["drop_reason"] == ["the row's images column holds 1 pictures and its conversation 2 places for "
+                                       "them (<image> or image parts without a picture)"]
+
+
+def test_a_parquet_file_with_an_image_column_trains_its_decoded_pictures(model, tmp_path):
+    """A dataset as the hub stores one (parquet, an Image column of pictures, TRL's image parts): the
+    pictures arrive decoded and train as data URLs."""
+    import datasets
+
+    from sft.config import DataConfig
+    from sft.data.prepare import load_sft_data
+
+    tokenizer, tokens = model
+    picture = _picture(tmp_path / "square.png", (64, 64))
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "Red."}]}]
+    rows = datasets.Dataset.from_dict({"messages": [conversation] * 2, "images": [[str(picture)]] * 2})
+    rows.cast_column("images", datasets.List(datasets.Image())).to_parquet(str(tmp_path / "train.parquet"))
+    train, _ = load_sft_data(DataConfig(path=str(tmp_path / "train.parquet"), cache_dir=str(tmp_path / "cache")),
+                             tokenizer, 0, tokens)
+    assert len(train) == 2 and train[0]["images"][0].startswith("data:image/png;base64,")
+    assert train[0]["input_ids"].count(tokens.token_id) == 4
