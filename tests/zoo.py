@@ -60,7 +60,8 @@ OVERRIDES = {
 }
 STEPS = 4
 MAX_PARAMETERS = 30e6  # a family whose config ignores the tiny widths is listed, not built
-COLUMNS = ("family", "class", "kind", "packing", "context parallelism", "expert parallelism", "LoRA", "status")
+COLUMNS = ("family", "class", "kind", "packing", "context parallelism", "expert parallelism", "LoRA", "images",
+           "status")
 
 
 @dataclasses.dataclass
@@ -72,6 +73,7 @@ class Row:
     cp: str = ""
     ep: str = ""
     lora: str = ""
+    images: str = ""
     status: str = ""
 
     def markdown(self) -> str:
@@ -106,6 +108,7 @@ def check_family(family: str, tmp: Path) -> Row:
     from sft.models.build import build_meta_model, model_config
     from sft.models.moe import apply_moe
     from sft.models.packing import check_packing, cp_unsupported, stateful_layers
+    from sft.models.vision import IMAGE_FAMILIES
     from sft.models.vision_language import is_vision_language
     from sft.parallel.mesh import ParallelDims
     from sft.training.model import build_training_model
@@ -139,6 +142,7 @@ def check_family(family: str, tmp: Path) -> Row:
         row.packing = f"refused: {_reason(e).split(': ', 1)[-1].split(' carry')[0]}"
     row.cp = "no: " + why if (why := cp_unsupported(model)) else "yes"
     row.ep = ("yes" if moe and not moe.general else "no (general path)") if moe else "—"
+    row.images = ("yes" if model_type in IMAGE_FAMILIES else "no: its text only") if vision_language else "—"
     try:
         fresh = build_meta_model(cfg)
         lora = apply_lora(fresh, decoder_blocks(fresh), LoRAConfig(rank=4), torch.float32)
@@ -436,7 +440,9 @@ docs/checkpoints.md); *packing* — yes, exact (Gated DeltaNet, Kimi delta atten
 restarts the state),
 or refused with the layers named; *context parallelism* and *expert parallelism* — whether
 `cp.degree` and `moe.ep_degree` take it (where context parallelism does, the model's loss with its
-attention run through context parallelism's equals its own); *LoRA* — the Linear layers `all-linear` adapts.
+attention run through context parallelism's equals its own); *LoRA* — the Linear layers `all-linear` adapts;
+*images* — whether a vision-language checkpoint trains on conversations with images (docs/data.md:
+Images; tests/integration/test_images.py checks each family's loss against its vision-language class).
 
 """.replace("{steps}", str(STEPS))
 
