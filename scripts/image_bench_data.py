@@ -40,7 +40,9 @@ def main() -> None:
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"images/{i}.png"}},
                                          {"type": "text", "text": "Describe the picture in detail."}]},
             {"role": "assistant", "content": reply}]})
-    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp = out / "train.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(out / "train.jsonl")  # never leave a half-written file behind
     print(f"wrote {args.rows} rows with {args.size} x {args.size} pictures to {out}")
 
 

@@ -1,6 +1,6 @@
 """Save a randomly initialised model as a Hugging Face checkpoint (bf16 or float32 safetensors, with
 its tokenizer when the directory has one), one module at a time, so large shapes (7B, 32B) can be
-written without holding the model in memory.
+written without holding the model in memory (a vision-language model is built whole on --device).
 
     python scripts/save_random_checkpoint.py configs/models/qwen2.5-7b /tmp/qwen7b-random --device cuda
 

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 
 from sft.adapters.peft_format import BASE_WEIGHTS, CONFIG_FILE, in_model, merged, read_adapter, unmatched
 from sft.config import ModelConfig, is_local_path
-from sft.data.images import ImageTokens, image_tokens, open_image
+from sft.data.images import ImageTokens, image_tokens
 from sft.data.masking import IMAGE_PART
 from sft.data.rows import expand_images
 from sft.errors import UserError, run_command
@@ -29,13 +29,13 @@ from sft.models.vision_language import causal_class, is_vision_language
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int, temperature: float,
-          images: ImageTokens | None = None, sources: list[str] = ()) -> str:
+          images: ImageTokens | None = None, sources: tuple[str, ...] = ()) -> str:
     """The model's answer to `messages`; with `images`, their image parts are `sources` in order
     (rows as training makes them: sft/data/rows.py)."""
     if sources:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids, _ = expand_images(ids, ids, images.token_id, [images.count(open_image(s)) for s in sources])
+        ids, _ = expand_images(ids, ids, images.token_id, [images.count(s) for s in sources])
         ids = torch.tensor([ids])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                   "mm_token_type_ids": (ids == images.token_id).int(), **images.pixels(list(sources))}
@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             and not adapter.is_file()):
         raise UserError(f"{args.model_dir}: not a model directory (no config.json or adapter_config.json there); give "
                         "an export, e.g. runs/demo/export (checkpoint.export_hf: true or python -m sft.export)")
+    if args.image and not Path(args.image).is_file():
+        raise UserError(f"--image {args.image}: no such file")
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if adapter.is_file():  # a LoRA adapter: its base, with the adapter merged in
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             messages.append({"role": "user", "content": [IMAGE_PART, {"type": "text", "text": prompt}]
                              if picture else prompt})
             answer = reply(model, tokenizer, messages, args.max_new_tokens, args.temperature, images,
-                           [str(Path(args.image).resolve())] if args.image else [])
+                           (str(Path(args.image).resolve()),) if args.image else ())
             messages.append({"role": "assistant", "content": answer})
             print(answer if args.prompt else f"model> {answer}", flush=True)
     except (EOFError, KeyboardInterrupt):  # Ctrl-D, Ctrl-C: the end of the chat

@@ -53,5 +53,6 @@ def demo_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def image_data(tmp_path_factory) -> Path:
-    """The demo's questions about pictures (`scripts/demo_data.py --images`), small, once per session."""
-    return _demo_data(tmp_path_factory.mktemp("image_data"), "--images")
+    """The demo's questions about pictures (`scripts/demo_data.py --images`), 64 train and 16 eval
+    conversations, once per session."""
+    return _demo_data(tmp_path_factory.mktemp("image_data"), "--images", "--train", "64", "--eval", "16")

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sft.config import load_config
 from sft.data.batches import pack_best_fit
-from sft.data.images import image_tokens
+from sft.data.images import image_tokens, shown
 from sft.data.masking import IGNORE_INDEX
 from sft.data.prepare import expansion, prepare_sft_data, reasoning
 from sft.data.sources import SOURCE_ROW, where
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
               f"of {cfg.data.path}{expanded}; trained: {'green' if colour else '[[...]]'})")
         print(_marked(tokenizer, row["input_ids"], row["labels"], colour, images and images.token))
         if row["images"]:
-            print(f"images: {', '.join(row['images'])}")
+            print(f"images: {', '.join(map(shown, row['images']))}")
     if args.stats or not args.show:
         for split, data in (("train", train), ("eval", evals)):
             if data is None:

@@ -11,6 +11,7 @@ import torch
 
 from sft.config import ConfigError, DataConfig
 from sft.data.collate import collate, collate_packed
+from sft.data.images import rows_with_images
 
 
 def pack_best_fit(lengths: list[int], row_len: int) -> list[list[int]]:
@@ -106,7 +107,7 @@ class TrainBatches:
 
     def __init__(self, dataset: datasets.Dataset, pad_token_id: int, cfg: DataConfig, micro_batch_size: int,
                  grad_accum_steps: int, global_batch: int, rank: int, seed: int):
-        self.with_images = sum(bool(images) for images in dataset["images"]) if "images" in dataset.column_names else 0
+        self.rows_with_images = rows_with_images(dataset)
         self.packed_rows = pack_best_fit(dataset["length"], cfg.max_seq_len) if cfg.packing else None
         self.sampler = StepSampler(len(self.packed_rows) if self.packed_rows else len(dataset), micro_batch_size,
                                    grad_accum_steps, global_batch, rank, seed)
@@ -123,5 +124,5 @@ class TrainBatches:
 
     def describe(self) -> str:
         packed = f", packed into {len(self.packed_rows)} rows" if self.packed_rows else ""
-        images = f" ({self.with_images} with images)" if self.with_images else ""
+        images = f" ({self.rows_with_images} with images)" if self.rows_with_images else ""
         return f"{self.num_samples} train samples{images}{packed}, global batch {self.sampler.global_batch}"

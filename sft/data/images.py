@@ -22,14 +22,13 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import ModelConfig
-from sft.data.masking import IMAGE_PART, DropSample
+from sft.data.masking import IMAGE_PART, IMAGE_PARTS, DropSample
+from sft.data.sources import DataError
 from sft.distributed import log0
-from sft.hub.weights import files_directory
 from sft.models.build import ModelError, model_config
 from sft.models.vision import IMAGE_FAMILIES
 from sft.models.vision_language import is_vision_language
 
-IMAGE_PARTS = ("image", "image_url")
 UNSUPPORTED_PARTS = ("video", "video_url", "audio", "input_audio")
 IMAGE_COLUMNS = ("images", "image")  # a row's pictures beside its conversation (LLaVA, TRL, hub datasets)
 PLACEHOLDER = "<image>"  # where LLaVA-style text puts a picture of the images column
@@ -62,6 +61,10 @@ def with_image_column(messages: Any, row: dict) -> Any:
             m = {**m, "content": [picture() if isinstance(part, dict) and part.get("type") == "image"
                                   and not _has_picture(part) else part for part in content]}
         out.append(m)
+    if not slots and any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS for m in out
+                         if isinstance(m, dict) and isinstance(m.get("content"), list) for p in m["content"]):
+        raise DropSample("the conversation's image parts hold their pictures and the row has an images column too: "
+                         "keep one of the two")
     if not slots:  # no placeholder anywhere: the pictures open the first user turn
         first = next((i for i, m in enumerate(out) if isinstance(m, dict) and m.get("role") == "user"), None)
         if first is None:
@@ -88,21 +91,27 @@ def _as_source(value: Any) -> str:
         return "data:image;base64," + base64.b64encode(value).decode()
     if hasattr(value, "save"):  # a PIL image (a hub dataset's decoded Image column)
         buffer = io.BytesIO()
-        value.save(buffer, format="PNG")
+        try:
+            value.convert("RGB").save(buffer, format="PNG")
+        except (OSError, ValueError) as e:
+            raise DropSample(f"a picture of the images column cannot be stored ({type(e).__name__}: {e})") from None
         return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
     if not isinstance(value, str):
         raise DropSample(f"the images column holds a {type(value).__name__}, expected paths, URLs or images")
     return value
 
 
-def image_parts(messages: Any, image_dir: str) -> tuple[Any, list[str]]:
+def image_parts(messages: Any, image_dir: str, token: str) -> tuple[Any, list[str]]:
     """The messages with each image part as the chat template takes it (`IMAGE_PART`), and the
-    images' sources in the order the template renders them. Video and audio parts drop the row."""
+    images' sources in the order the template renders them. Video and audio parts drop the row, and
+    so does text holding the placeholder `token` itself (it would take the place of a picture)."""
     if not isinstance(messages, list):
         return messages, []
     out, sources = [], []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
+        if any(token in text for text in _texts(content)):
+            raise DropSample(f"{m.get('role')} text holds the image placeholder {token} itself")
         if isinstance(content, list):
             parts = []
             for part in content:
@@ -117,6 +126,14 @@ def image_parts(messages: Any, image_dir: str) -> tuple[Any, list[str]]:
             m = {**m, "content": parts}
         out.append(m)
     return out, sources
+
+
+def _texts(content: Any) -> list[str]:
+    """The text of a message's content: the string, or its text parts'."""
+    if isinstance(content, str):
+        return [content]
+    return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)] \
+        if isinstance(content, list) else []
 
 
 def part_source(part: dict, image_dir: str) -> str:
@@ -140,25 +157,41 @@ def part_source(part: dict, image_dir: str) -> str:
     return str(path if path.is_absolute() else Path(image_dir) / path)
 
 
-def open_image(source: str):
-    """The RGB image at `source` (a path or a data URL); DropSample naming it if it cannot be read."""
-    from PIL import Image, UnidentifiedImageError
+def shown(source: str) -> str:
+    """`source` as a line shows it (a data URL's first characters)."""
+    return source[:60] + "..." if source.startswith("data:") else source
 
-    shown = source[:60] + "..." if source.startswith("data:") else source
+
+def open_image(source: str):
+    """The RGB image at `source` (a path or a data URL), turned upright as its EXIF orientation says
+    (as transformers' load_image does); DropSample naming it if it cannot be read."""
+    from PIL import Image, ImageOps
+
     try:
         if source.startswith("data:"):
             file: Any = io.BytesIO(base64.b64decode(source.partition(",")[2], validate=True))
         else:
             file = source
         with Image.open(file) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError, UnidentifiedImageError) as e:
-        raise DropSample(f"image {shown!r} cannot be read ({type(e).__name__}: {e})") from None
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # unreadable, not an image, too large
+        raise DropSample(f"image {shown(source)!r} cannot be read ({type(e).__name__}: {e})") from None
+
+
+def rows_with_images(split) -> int:
+    """How many rows of a tokenised split hold an image, counted in its Arrow table without reading
+    the pictures (data URLs can be megabytes each). The table under the split's row selection is the
+    whole tokenised split, the dropped rows too, which hold no images: the count is the kept rows'."""
+    import pyarrow.compute as pc
+
+    if "images" not in split.column_names:
+        return 0
+    return pc.sum(pc.greater(pc.list_value_length(split.data.column("images")), 0)).as_py() or 0
 
 
 def holds_images(*splits) -> bool:
     """Whether any row of the tokenised `splits` (None: no such split) holds an image."""
-    return any(split is not None and any(split["images"]) for split in splits)
+    return any(split is not None and rows_with_images(split) for split in splits)
 
 
 @dataclass
@@ -169,14 +202,23 @@ class ImageTokens:
     token_id: int
     merge_size: int  # vision embeddings merge merge_size x merge_size patches
 
-    def count(self, image) -> int:
-        """How many placeholder tokens (vision embeddings) `image` takes."""
-        width, height = image.size
-        return self.processor.get_number_of_image_patches(height, width, {}) // self.merge_size**2
+    def count(self, source: str) -> int:
+        """How many placeholder tokens (vision embeddings) the image at `source` takes; DropSample
+        for one the image processor refuses (an aspect ratio over 200)."""
+        width, height = open_image(source).size
+        try:
+            return self.processor.get_number_of_image_patches(height, width, {}) // self.merge_size**2
+        except ValueError as e:
+            raise DropSample(f"image {shown(source)!r} ({width} x {height}): {e}") from None
 
     def pixels(self, sources: list[str]) -> dict:
         """The vision tower's inputs for `sources` in order: pixel_values and image_grid_thw."""
-        return dict(self.processor(images=[open_image(s) for s in sources], return_tensors="pt"))
+        try:
+            pictures = [open_image(s) for s in sources]
+        except DropSample as e:  # read when the data was tokenised: moved or changed since
+            raise DataError(f"{e}, though it was read when the data was tokenised: put it back (or clear "
+                            "data.cache_dir to tokenise the data again)") from None
+        return dict(self.processor(images=pictures, return_tensors="pt"))
 
 
 def image_tokens(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ImageTokens | None:
@@ -190,15 +232,15 @@ def image_tokens(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> ImageT
         log0(f"images: {name} trains on text here; rows with images are dropped (images train for "
              f"{', '.join(IMAGE_FAMILIES.values())})")
         return None
-    source = files_directory(cfg.name_or_path)
-    if not (source / "preprocessor_config.json").is_file():
-        log0(f"images: {source} has no image processor (preprocessor_config.json); rows with images are dropped")
-        return None
     try:
         from transformers import AutoImageProcessor
-        processor = AutoImageProcessor.from_pretrained(source)
+        processor = AutoImageProcessor.from_pretrained(cfg.name_or_path)  # its preprocessor_config.json alone
     except ImportError as e:
         raise ModelError(f"images: {name}'s image processor needs a package that is missing ({e}); "
                          "pip install pillow") from None
+    except OSError:
+        log0(f"images: {cfg.name_or_path} has no image processor (preprocessor_config.json); rows with images are "
+             "dropped")
+        return None
     return ImageTokens(processor, tokenizer.convert_ids_to_tokens(config.image_token_id), config.image_token_id,
                        config.vision_config.spatial_merge_size)

@@ -113,6 +113,7 @@ def joined_content_parts(messages: list, images: bool = False) -> list:
 
 IMAGE_PART = {"type": "image"}
 """An image part as the chat template sees it (its source is kept aside: sft/data/images.py)."""
+IMAGE_PARTS = ("image", "image_url")  # the OpenAI content parts of a picture
 
 
 def _part_text(role: str, part: Any) -> str:
@@ -123,7 +124,7 @@ def _part_text(role: str, part: Any) -> str:
     if "type" not in part:
         raise DropSample(f"{role} content has a part without a type (keys {', '.join(map(str, part))}): write it as "
                          f"{example}")
-    if part["type"] in ("image", "image_url"):
+    if part["type"] in IMAGE_PARTS:
         raise DropSample(f"{role} content has an image: this model takes none (images train on the vision-language "
                          "checkpoints of docs/data.md: Images)")
     if part["type"] != "text":
@@ -179,7 +180,9 @@ def normalise_reasoning(messages: list[dict], field: str | None) -> tuple[list[d
             if not fields:
                 m["content"] = content[inline.end():].lstrip("\n")
         elif not inline:
-            m["content"] = f"<think>\n{reasoning}\n</think>\n\n{content or ''}"
+            think = f"<think>\n{reasoning}\n</think>\n\n"
+            m["content"] = [{"type": "text", "text": think}, *content] if isinstance(content, list) else \
+                think + (content or "")
         out.append(m)
     return out, carried
 

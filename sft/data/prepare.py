@@ -15,14 +15,14 @@ from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from sft.config import DataConfig
-from sft.data import images as image_tokens, masking, rows as tokenising
+from sft.data import images as image_code, masking, rows as tokenising
 from sft.data.images import ImageTokens
 from sft.data.rows import ROW_COLUMNS, TOKENIZED_FEATURES, tokenize_batch
 from sft.data.sources import SOURCE_ROW, DataError, check_text, detect_format, load_rows, where
 from sft.distributed import log0, rank0_first
 
 # The code that decides the tokens: editing anything else (the sampler, the CLI) keeps the cache.
-_TOKENISATION_SOURCE = inspect.getsource(tokenising) + inspect.getsource(masking) + inspect.getsource(image_tokens)
+_TOKENISATION_SOURCE = inspect.getsource(tokenising) + inspect.getsource(masking) + inspect.getsource(image_code)
 
 
 
@@ -73,7 +73,7 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
     fmt = detect_format(rows.column_names, source)
     kwargs = dict(tokenizer=tokenizer, fmt=fmt, max_seq_len=cfg.max_seq_len,
                   last_turn_only=cfg.train_on == "last_assistant", template_kwargs=cfg.chat_template_kwargs,
-                  images=images, image_dir=str(Path(path).parent if Path(path).is_file() else Path.cwd()))
+                  images=images, image_dir=str(image_directory(path)))
 
     # datasets keys its cache on the function's *name* for module-level functions, not its code:
     # put the source of the tokenisation code in the key so an upgrade never reuses stale rows.
@@ -118,6 +118,13 @@ def _tokenize(rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, cfg: D
         log0(f"data: {split_name}: {reasoning(report)}")
     kept_rows = tokenized.filter(lambda r: r == "", input_columns="drop_reason")
     return kept_rows.remove_columns(["drop_reason", "cut"]), report
+
+
+def image_directory(path: str) -> Path:
+    """Where the relative image paths of the data at `path` start: its directory (a local file's, or
+    a local directory of files), else the working directory (a hub dataset)."""
+    local = Path(path)
+    return (local if local.is_dir() else local.parent if local.is_file() else Path.cwd()).resolve()
 
 
 def expansion(report: SplitReport, tokens: int) -> str:

@@ -1,7 +1,7 @@
 """A conversation -> its training rows: the three chat formats normalised to messages, rendered
-and cut by the chat template (masking.py), tokenised with labels. `prepare` runs it over a split
-with `datasets.map`, whose cache is keyed on the source of this module and masking.py: the code
-that decides the tokens."""
+and cut by the chat template (masking.py), tokenised with labels, each image's placeholder expanded
+to its tokens (images.py). `prepare` runs it over a split with `datasets.map`, whose cache is keyed
+on the source of this module, masking.py and images.py: the code that decides the tokens."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from sft.data.images import ImageTokens, image_parts, open_image, with_image_column
+from sft.data.images import ImageTokens, image_parts, with_image_column
 from sft.data.masking import IGNORE_INDEX, DropSample, RowPlan, encode_segments, render_rows, truncate_tokenized
 from sft.data.sources import SOURCE_ROW
 
@@ -90,13 +90,12 @@ def tokenize_batch(batch: dict[str, list], tokenizer: PreTrainedTokenizerBase, f
                 continue
             row = {column: values[i] for column, values in batch.items()}
             messages, tools = to_messages(row, fmt)
-            messages = with_image_column(messages, row)
             sources: list[str] = []
-            if images is not None:
-                messages, sources = image_parts(messages, image_dir)
+            if images is not None:  # a model that takes none trains on the text, as it always did
+                messages, sources = image_parts(with_image_column(messages, row), image_dir, images.token)
             plans, reasoning_turns = render_rows(tokenizer, messages, tools, last_turn_only, template_kwargs,
                                                  images is not None)
-            counts = [images.count(open_image(source)) for source in sources]
+            counts = [images.count(source) for source in sources]
         except DropSample as e:
             contents.append(str(e))
             origins.append((source_row, 0, 1, [], 0, 0))

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 
 from sft.distributed import to_device
+from sft.errors import UserError
 from sft.models.build import ModelError, parameters_on_meta
 
 # The families whose images train here: mrope positions from get_rope_index, one placeholder token
@@ -68,6 +69,7 @@ class VisionTower:
             setattr(self.model.get_submodule(module), leaf, buffer.to(device))
         self.model.eval()
         self.token_id, self.device = config.image_token_id, device
+        self.merge_size = config.vision_config.spatial_merge_size  # merge_size x merge_size patches an embedding
 
     def host_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, pixels: dict[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
@@ -76,6 +78,10 @@ class VisionTower:
         those, the placeholder mask and the positions the decoder takes: the text positions, then the
         multimodal ones (t, h, w), each document's from transformers' get_rope_index."""
         mask = input_ids == self.token_id
+        if (embeddings := int((pixels["image_grid_thw"].prod(-1) // self.merge_size**2).sum())) != int(mask.sum()):
+            raise UserError(f"images: a micro-batch holds {int(mask.sum())} image tokens and its pictures make "
+                            f"{embeddings} vision embeddings: a picture changed since the data was tokenised; clear "
+                            "data.cache_dir to tokenise it again")
         grids = iter(pixels["image_grid_thw"])
         multimodal = torch.empty((3, *input_ids.shape), dtype=torch.long)
         for row, starts in enumerate(position_ids == 0):

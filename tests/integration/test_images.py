@@ -1,5 +1,5 @@
-"""Images in conversations (sft/data/images.py, sft/models/vision.py): tiny Qwen3.5, Qwen3-VL, Qwen2.5-VL,
-GLM-4.1V and GLM-4.5V train on questions about pictures, their losses transformers' own vision-language class's on the
+"""Images in conversations (sft/data/images.py, sft/models/vision.py): tiny Qwen3.5, Qwen3-VL-MoE, Qwen2.5-VL
+and GLM-4.5V train on questions about pictures, their losses transformers' own vision-language class's on the
 same rows and pixels, on 1 and 2 ranks; the export is the original checkpoint, tower unchanged;
 packed rows with images give the loss and gradients of padded ones."""
 
@@ -43,14 +43,14 @@ def hf_image_eval_loss(model, data, model_dir) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("qwen3_vl", 1), ("qwen2_5_vl", 1), ("glm4v", 1),
-                                              ("glm4v_moe", 2)])
+@pytest.mark.parametrize("model_type,nproc", [("qwen3_5", 2), ("qwen3_vl_moe", 1), ("qwen2_5_vl", 1), ("glm4v_moe", 2)])
 def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image_data, model_type, nproc):
-    """Qwen3.5 (Gated DeltaNet, multimodal rotary positions) and GLM-4.5V (routed experts) on 2 ranks,
-    Qwen3-VL (its tower's deepstack features added in the first block), Qwen2.5-VL (files as it was
-    published: the tower under visual.) and GLM-4.1V (14-pixel patches) on 1: the run's first eval
-    equals transformers' vision-language class on the original files, its last eval that class loaded
-    from the export; the export's vision tower is the original's."""
+    """Qwen3.5 (Gated DeltaNet, multimodal rotary positions) and GLM-4.5V (routed experts, 14-pixel
+    patches) on 2 ranks, Qwen3-VL-MoE (the tower's deepstack features added in the first block) and
+    Qwen2.5-VL (files as it was published: the tower under visual.) on 1: the run's first eval equals
+    transformers' vision-language class on the original files, its last eval that class loaded from
+    the export; the export's vision tower is the original's. (Qwen3-VL and GLM-4.1V are these
+    families' dense models, of the same towers and positions.)"""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
@@ -60,7 +60,7 @@ def test_images_train_as_the_vision_language_class_computes_them(tmp_path, image
     source = image_model_dir(tmp_path, model_type)
     run = run_demo(image_data, tmp_path, "images", "model.init=pretrained", f"model.name_or_path={source}",
                    "train.max_steps=3", "eval.every_steps=3", nproc=nproc)
-    assert "200 train samples (200 with images)" in run.stdout
+    assert "64 train samples (64 with images)" in run.stdout
     first, last = eval_losses(tmp_path / "images")[0], eval_losses(tmp_path / "images")[-1]
     assert last < first
     original = AutoModelForImageTextToText.from_pretrained(source)
@@ -84,12 +84,16 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_of_one):
+def test_packed_rows_with_images_equal_padded_ones(tmp_path, world_of_one):
     """Qwen3.5-MoE (our routed experts and gated shared expert; Gated DeltaNet layers restart at each
     document; each document's multimodal positions start afresh): four conversations about pictures
-    packed three and one to a row give the loss and every gradient of the same four padded, as a run
-    builds the model (packing on, on one rank)."""
+    of different sizes and colours (one with two pictures) packed two to a row, in another order,
+    give the loss and every gradient of the same four padded, as a run builds the model (packing on,
+    one rank): each picture reaches its own placeholders."""
     import dataclasses
+    import json
+
+    from PIL import Image
 
     from sft.checkpoint.model_weights import load_model_weights
     from sft.config import Config, DataConfig, FSDPConfig, ModelConfig
@@ -101,7 +105,17 @@ def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_o
     from sft.training.loss import forward_backward
     from sft.training.model import build_training_model
 
-    data = DataConfig(path=str(image_data / "eval.jsonl"), packing=True)
+    def ask(*pictures):
+        for name, size, colour in pictures:
+            Image.new("RGB", size, colour).save(tmp_path / name)
+        parts = [{"type": "image", "image": name} for name, _, _ in pictures]
+        return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Colours?"}]},
+                             {"role": "assistant", "content": " and ".join(c for _, _, c in pictures) + "."}]}
+
+    conversations = [ask(("a.png", (64, 32), "red")), ask(("b.png", (96, 96), "blue")),
+                     ask(("c.png", (64, 64), "green"), ("d.png", (32, 64), "yellow")), ask(("e.png", (64, 64), "black"))]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations))
+    data = DataConfig(path=str(tmp_path / "data.jsonl"), packing=True, cache_dir=str(tmp_path / "cache"))
     run = Config(model=ModelConfig(name_or_path=str(image_model_dir(tmp_path, "qwen3_5_moe")), init="pretrained"),
                  data=data, fsdp=FSDPConfig(param_dtype="float32"))
     tokenizer = load_tokenizer(run.model)
@@ -110,8 +124,9 @@ def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_o
     built = build_training_model(run, ParallelDims(1).build("cpu"), world_of_one.device, images)
     load_model_weights(run, built.model, world_of_one)
     padded, _ = MicroBatches(rows, 0, dataclasses.replace(data, packing=False))([0, 1, 2, 3])
-    packed, _ = MicroBatches(rows, 0, data, packed_rows=[[0, 1, 2], [3]])([0, 1])
-    assert packed["input_ids"].shape[0] == 2 and packed["images"] == padded["images"]
+    packed, _ = MicroBatches(rows, 0, data, packed_rows=[[2, 0], [3, 1]])([0, 1])
+    assert packed["images"] == [source for i in (2, 0, 3, 1) for source in rows[i]["images"]]
+    assert sorted(map(len, rows["images"])) == [1, 1, 1, 2]
 
     def loss_and_grads(batch):
         built.model.zero_grad()
@@ -120,5 +135,5 @@ def test_packed_rows_with_images_equal_padded_ones(tmp_path, image_data, world_o
 
     (as_padded, padded_grads), (as_packed, packed_grads) = loss_and_grads(padded), loss_and_grads(packed)
     assert as_packed == pytest.approx(as_padded, rel=1e-6)
-    for name, grad in padded_grads.items():
-        assert torch.allclose(packed_grads[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max()), name
+    for name, grad in padded_grads.items():  # the zoo's bound: within 1e-4 of the tensor's largest entry
+        assert (packed_grads[name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name

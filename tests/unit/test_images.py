@@ -144,3 +144,31 @@ def test_a_parquet_file_with_an_image_column_trains_its_decoded_pictures(model, 
                              tokenizer, 0, tokens)
     assert len(train) == 2 and train[0]["images"][0].startswith("data:image/png;base64,")
     assert train[0]["input_ids"].count(tokens.token_id) == 4
+
+
+REWRITING_TEMPLATE = (  # ChatML whose earlier assistant turns read "(earlier)": every turn trains in a row of its own
+    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['role'] == 'assistant' and not loop.last -%}{{- '(earlier)<|im_end|>\\n' -}}"
+    "{%- elif message['content'] is string -%}{{- message['content'] + '<|im_end|>\\n' -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- else -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_a_template_that_rewrites_history_gives_each_row_the_pictures_it_shows(model, tmp_path):
+    """Where the chat template rewrites earlier turns (as Qwen3.5's drops their reasoning), each turn
+    trains in its own row: the first row shows the first picture, the second both, in order."""
+    import copy
+
+    tokenizer, tokens = model
+    rewriting = copy.deepcopy(tokenizer)
+    rewriting.chat_template = REWRITING_TEMPLATE
+    _picture(tmp_path / "one.png", (64, 64))
+    _picture(tmp_path / "two.png", (64, 32))
+    conversation = _ask({"type": "image", "image": "one.png"}, "First?", "Red.") + \
+        _ask({"type": "image", "image": "two.png"}, "Second?", "Also red.")
+    out = _rows((rewriting, tokens), [conversation], image_dir=tmp_path)
+    assert out["drop_reason"] == ["", ""]
+    assert out["images"] == [[str(tmp_path / "one.png")], [str(tmp_path / "one.png"), str(tmp_path / "two.png")]]
+    assert [ids.count(tokens.token_id) for ids in out["input_ids"]] == [4, 6]

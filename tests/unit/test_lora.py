@@ -56,9 +56,13 @@ def test_only_the_adapters_and_the_modules_to_save_train_and_the_names_stay():
 def _moe_families() -> dict[str, bool]:
     """The MoE families of the zoo that train (docs/models.md) -> whether their experts run our path
     (else the general path, whose experts are Linear layers that all-linear adapts)."""
-    rows = [row.split("|") for row in (REPO / "docs" / "models.md").read_text().splitlines()]
-    return {row[1].strip(): "general path" not in row[3] for row in rows
-            if len(row) > 8 and row[3].strip().startswith("MoE") and row[8].strip() == "trains, exports"}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in (REPO / "docs" / "models.md").read_text().splitlines() if line.startswith("| ")]
+    column = {name: i for i, name in enumerate(rows[0])}  # the header, by name: the table may gain columns
+    families = {row[column["family"]]: "general path" not in row[column["kind"]] for row in rows[1:]
+                if row[column["kind"]].startswith("MoE") and row[column["status"]] == "trains, exports"}
+    assert families, "docs/models.md lists no MoE family that trains: its table changed shape"
+    return families
 
 
 MOE_FAMILIES = _moe_families()

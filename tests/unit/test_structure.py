@@ -23,6 +23,7 @@ FLOORS = [
     {"training"},
     {"plan", "chat", "plot"},
 ]
+# sft/models/ grew by the vision tower (sft/models/vision.py, issue #61) from its 1,600 lines
 MAX_LINES = {"module": 400, "function": 80, "module docstring": 30, "sft/models/": 1750}
 MAX_ARGUMENTS = 10
 
