@@ -46,20 +46,22 @@ from sft.models.vision_language import is_vision_language
 READ_THREADS, READ_AHEAD = 4, 8
 
 
-def files_directory(name_or_path: str) -> Path:
-    """The directory of a model's files: `name_or_path`, or for a hub id its snapshot in the HF cache
-    (its safetensors and json files, fetched once)."""
-    if missing := missing_local_dir("model.name_or_path", name_or_path):
-        raise missing
-    root = Path(name_or_path)
-    return root if root.is_dir() else Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+def _outside_language_model(whole: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of a vision-language model's parameters outside its language model (decoder and head)."""
+    language_model = {id(p) for module in (whole.get_decoder(), whole.get_output_embeddings())
+                      for p in module.parameters()}
+    return {name: tuple(p.shape) for name, p in whole.named_parameters() if id(p) not in language_model}
 
 
 class SafetensorsWeights:
     """Reads slices of named tensors from a Hugging Face safetensors checkpoint directory."""
 
     def __init__(self, directory: str, model: nn.Module):
-        root = files_directory(directory)
+        if missing := missing_local_dir("model.name_or_path", directory):
+            raise missing
+        root = Path(directory)
+        if not root.is_dir():  # a hub id: the files are fetched once into the HF cache
+            root = Path(snapshot_download(directory, allow_patterns=["*.safetensors", "*.json"]))
         self.source, self.root = directory, root
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -144,11 +146,22 @@ class SafetensorsWeights:
             return {}, dict
         with torch.device("meta"):
             whole = AutoModelForImageTextToText.from_config(config)
-        language_model = {id(p) for module in (whole.get_decoder(), whole.get_output_embeddings())
-                          for p in module.parameters()}
-        shapes = {name: tuple(p.shape) for name, p in whole.named_parameters() if id(p) not in language_model}
+        shapes = _outside_language_model(whole)
         layout = functools.cache(lambda: FileLayout(whole, shapes, self.file_shapes).shapes)
         return shapes, layout
+
+    def read_outside_language_model(self, whole: nn.Module) -> dict[str, torch.Tensor]:
+        """The parameters of `whole`, the vision-language class of these files, outside its language
+        model (the vision tower, the projector): whole, on the host, by the class's names, as
+        transformers converts them from the files (Qwen2.5-VL's published visual.* among them)."""
+        shapes = _outside_language_model(whole)
+        layout = FileLayout(whole, shapes, self.file_shapes)
+        if missing := sorted(set(shapes) - set(layout.groups)):
+            raise ModelError(f"model.name_or_path={self.source!r}: the files lack {len(missing)} tensors of the vision "
+                             f"tower (e.g. {missing[0]}), which images need")
+        with self.reading():
+            return {name: layout.read(lambda file, index: self._from_files(file, index, torch.device("cpu")), name, ())
+                    for name in shapes}
 
     def read(self, name: str, index: tuple[slice, ...], device: torch.device) -> torch.Tensor:
         """Slice `index` of the model's tensor `name` (absent: a KeyError naming it; check() said so first).
@@ -328,8 +341,8 @@ def write_model_files(cfg: ModelConfig, model: nn.Module, directory: Path) -> No
         model.config.save_pretrained(directory)
         return
     config.save_pretrained(directory)
-    copy_processor_files(files_directory(cfg.name_or_path), directory)
     weights = SafetensorsWeights(cfg.name_or_path, model)
+    copy_processor_files(weights.root, directory)
     with weights.reading():
         kept = {name: weights.read_as_stored(name) for name in weights.kept()}
     save_file(kept, directory / KEPT, metadata={"format": "pt", **weights.names.metadata()})

@@ -19,18 +19,16 @@ Context parallelism over rows with images is refused (build_training_model).
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForImageTextToText, PretrainedConfig
 
 from sft.distributed import to_device
 from sft.errors import UserError
-from sft.models.build import ModelError, parameters_on_meta
+from sft.models.build import parameters_on_meta
 
 # The families whose images train here: mrope positions from get_rope_index, one placeholder token
 # per merged patch (their processors expand it so), features in place of the placeholders.
@@ -55,15 +53,19 @@ class ImageInputs:
 
 
 class VisionTower:
-    """The frozen vision tower of the vision-language checkpoint of `config` whose files are in
-    `directory`, on `device` in `dtype`."""
+    """The frozen vision tower of the vision-language checkpoint of `config`, on `device` in `dtype`:
+    `read(whole)` gives the parameters of `whole`, the class built on the meta device, outside its
+    language model, by their names there (SafetensorsWeights.read_outside_language_model)."""
 
-    def __init__(self, config: PretrainedConfig, directory: Path, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: PretrainedConfig, read: Callable[[nn.Module], dict[str, torch.Tensor]],
+                 device: torch.device, dtype: torch.dtype):
         with parameters_on_meta():
             whole = AutoModelForImageTextToText.from_config(config)
+        for name, tensor in read(whole).items():
+            module, _, leaf = name.rpartition(".")
+            setattr(whole.get_submodule(module), leaf, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
         self.model = whole.model  # transformers' vision-language model: tower, projector, language model
         del self.model.language_model  # trained as the run's model
-        _load(self.model, directory, device, dtype)
         for name, buffer in list(self.model.named_buffers()):  # real already (rotary frequencies): kept as made
             module, _, leaf = name.rpartition(".")
             setattr(self.model.get_submodule(module), leaf, buffer.to(device))
@@ -107,24 +109,3 @@ class VisionTower:
                      "deepstack_visual_embeds": [f if isinstance(f, torch.Tensor) else torch.cat(f) for f in deepstack]}
         return ImageInputs(host["mask"], torch.cat(list(out.pooler_output)), host["position_ids"], extra)
 
-
-def _load(model: nn.Module, source: Path, device: torch.device, dtype: torch.dtype) -> None:
-    """The tower's parameters, frozen, from the checkpoint's safetensors files, named as the
-    vision-language class names them (`model.` + the name here) or, as Qwen2.5-VL was published, as
-    they are here (`visual.`)."""
-    index = source / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        ["model.safetensors"] if (source / "model.safetensors").is_file() else []
-    wanted = {file_name: name for name, _ in model.named_parameters() for file_name in (f"model.{name}", name)}
-    missing = {name for name, _ in model.named_parameters()}
-    for file in files:
-        with safe_open(source / file, framework="pt") as f:
-            for file_name in set(f.keys()) & set(wanted):
-                module, _, leaf = wanted[file_name].rpartition(".")
-                tensor = f.get_tensor(file_name).to(device, dtype)
-                setattr(model.get_submodule(module), leaf, nn.Parameter(tensor, requires_grad=False))
-                missing.discard(wanted[file_name])
-    if missing:
-        raise ModelError(f"images: {source} lacks {len(missing)} tensors of the vision tower (e.g. "
-                         f"model.{min(missing)}): the tower trains frozen from a checkpoint's weights "
-                         "(model.init=random makes none; scripts/save_random_checkpoint.py writes random ones)")

@@ -19,7 +19,7 @@ from sft.adapters.lora import LoRA, apply_lora
 from sft.config import DTYPES, Config, ConfigError
 from sft.data.images import ImageTokens
 from sft.distributed import log0, rank0_first
-from sft.hub.weights import files_directory
+from sft.hub.weights import SafetensorsWeights
 from sft.models.architecture import Logits, decoder_blocks
 from sft.models.build import build_meta_model, materialize, model_config, real_buffers, use_causal_sdpa
 from sft.models.gated_deltanet import use_gated_deltanet_kernels
@@ -49,6 +49,10 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device,
     if images is not None and dims.cp_enabled:
         raise ConfigError(f"cp.degree={dims.cp}: the data holds images, whose rows are not split over ranks yet; "
                           "set cp.degree=1")
+    if images is not None and cfg.model.init == "random":
+        raise ConfigError("model.init=random: the data holds images, and the vision tower trains frozen from the "
+                          "checkpoint's weights; write random ones (scripts/save_random_checkpoint.py) and load them "
+                          "with model.init=pretrained")
     model = rank0_first(lambda: build_meta_model(cfg.model))
     head = rank0_first(lambda: Logits.of(model))  # the fused lm_head + cross-entropy computes it, or one line
     # Packed documents kept apart (layers that carry state restart, masks the model does not build from
@@ -78,6 +82,8 @@ def build_training_model(cfg: Config, dims: ParallelDims, device: torch.device,
     assert dict(loss.named_children()) == dict(model.named_children()), "the loss no longer holds the model's children"
     materialize(model, buffers, device, offload=cfg.fsdp.cpu_offload)
     model.train()
-    vision = rank0_first(lambda: VisionTower(model_config(cfg.model), files_directory(cfg.model.name_or_path), device,
-                                             DTYPES[cfg.fsdp.param_dtype])) if images else None
+    # the frozen vision tower and projector, read from the files as transformers converts them
+    vision = rank0_first(lambda: VisionTower(
+        model_config(cfg.model), SafetensorsWeights(cfg.model.name_or_path, model).read_outside_language_model, device,
+        DTYPES[cfg.fsdp.param_dtype])) if images else None
     return TrainingModel(model, moe, lora, loss, images, vision)
