@@ -267,7 +267,8 @@ def run(args: argparse.Namespace, env) -> dict:
         result["frozen_shard_dtypes"] = sorted({str(local_part(p).dtype) for p in named.values() if not p.requires_grad})
         result["nf4_weights"] = [clean_name(n) for n, p in named.items() if is_nf4(p)]
         result["frozen_with_grads"] = [n for n, p in named.items() if not p.requires_grad and p.grad is not None]
-        result["expert_placements"] = sorted({str(p.placements) for n, p in named.items() if ".experts." in n and p.dim() == 3})
+        result["expert_placements"] = sorted({f"{p.device_mesh.mesh_dim_names}: {p.placements}"
+                                              for n, p in named.items() if ".experts." in n and p.dim() == 3})
         result["grad_norm"] = clip_grad_norm(model, None).item()
         optimizer = build_optimizer(model, OptimConfig(lr=1e-3))
         optimizer.step()

@@ -67,13 +67,28 @@ def whole_frozen(module: nn.Module, shard_ranks: int, cfg: FSDPConfig) -> set[nn
     return {p for p in module.parameters() if not p.requires_grad and p.dtype == DTYPES[cfg.param_dtype]}
 
 
+def experts_outside_fsdp(moe: MoE | None, dims: ParallelDims, cfg: FSDPConfig) -> set[nn.Parameter]:
+    """The expert parameters FSDP leaves alone under expert parallelism over every rank of the run
+    (moe.ep_degree = the world size): there each rank holds its experts whole and alone, so there is
+    nothing to gather, and their gradients are whole where they accumulate (every row routed to an
+    expert reached its rank through the all-to-all, and its gradient came back the same way). Where
+    such a parameter is already in fsdp.param_dtype (bf16 master weights, LoRA's bf16 base and
+    adapters) FSDP would only copy it into its all-gather buffer and its gradient out of its
+    reduce-scatter buffer, a block's experts twice a pass: 16% of the whole Qwen3-30B-A3B's step
+    (docs/BENCHMARKS.md). Float32 masters still go through FSDP, whose mixed precision casts them."""
+    if moe is None or not dims.ep_enabled or dims.expert_fsdp_mesh.size() > 1 or cfg.cpu_offload:
+        return set()
+    return {p for block in moe.blocks for p in block.experts.parameters() if p.dtype == DTYPES[cfg.param_dtype]}
+
+
 def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg: FSDPConfig,
                moe: MoE | None = None, lora: LoRA | None = None) -> None:
     """Shard each block as its own FSDP unit, then the root (embeddings, final norm, lm_head: `root`
     is the model, or the loss that holds its children, sft/training/loss.py:SFTLoss), over
     the mesh's shard ranks (and replicas). MoE experts are split by the handle's placement
     (sft/models/moe.py), dim 0 for the rest; under expert parallelism each block's experts are a unit
-    of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py). QLoRA's
+    of their own, sharded over the ranks orthogonal to ep (sft/parallel/expert_parallel.py), or, where
+    ep spans every rank, left whole to their ranks (`experts_outside_fsdp`). QLoRA's
     NF4 weights stay whole on every rank (LoRA.nf4_parameters), and on one GPU every frozen weight
     already in the compute dtype (`whole_frozen`).
 
@@ -81,13 +96,16 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
     divide factor is 1 on every unit: the loss is already divided by the global count of
     supervised tokens (sft/training/loss.py), so FSDP must sum, not average, over ranks.
     """
-    ignored = (lora.nf4_parameters() if lora else set()) | whole_frozen(root, dims.shard_ranks, cfg)
+    outside = experts_outside_fsdp(moe, dims, cfg)
+    ignored = (lora.nf4_parameters() if lora else set()) | whole_frozen(root, dims.shard_ranks, cfg) | outside
     options = dict(mesh=dims.fsdp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.param_dtype],
                                                                        reduce_dtype=DTYPES[cfg.reduce_dtype]),
                    offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(), ignored_params=ignored)
     for i, block in enumerate(blocks):
         if dims.ep_enabled and moe is not None:  # first: the block's unit then leaves them to this one
             for sparse in (m for m in block.modules() if m in moe.blocks):
+                if not set(sparse.experts.parameters()) - outside:
+                    continue
                 fully_shard(sparse.experts, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
                             **{**options, "mesh": dims.expert_fsdp_mesh, "shard_placement_fn":
                                moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep), "ignored_params":
@@ -107,4 +125,5 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
             if reduce_scatter is not None:
                 module.set_custom_reduce_scatter(reduce_scatter)
     log0(f"applied FSDP2 to {len(blocks)} blocks + root on mesh {tuple(dims.fsdp_mesh.shape)}, "
-         f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}")
+         f"params {cfg.param_dtype}, reduce {cfg.reduce_dtype}"
+         + ("; the experts whole on their ep ranks, outside FSDP" if outside else ""))

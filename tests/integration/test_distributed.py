@@ -308,11 +308,14 @@ def test_moe_equals_hf_reference(runs, reference, name):
 def test_expert_weights_shard_over_experts_or_their_rows(runs):
     """8 experts on 2 ranks: 4 experts each (Shard(0)); 1 expert on 2 ranks: half its rows each
     (Shard(1)). Expert parallelism: sharded by expert over the ep ranks (the second axis), each ep
-    rank's experts sharded again over the ranks orthogonal to it (the first; 1 rank under ep 4)."""
-    assert runs("moe 2 ranks, grad-acc 2")["expert_placements"] == ["(Shard(dim=0),)"]
-    assert runs("moe 1 expert, 2 ranks")["expert_placements"] == ["(Shard(dim=1),)"]
-    assert runs("moe ep 2 x fsdp 2")["expert_placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
-    assert runs("moe ep 4")["expert_placements"] == ["(_StridedShard(dim=0, sf=4), Shard(dim=0))"]
+    rank's experts sharded again over the ranks orthogonal to it (the first); where ep spans every
+    rank, whole on their ep ranks, outside FSDP (the ep mesh alone)."""
+    assert runs("moe 2 ranks, grad-acc 2")["expert_placements"] == ["('dp_shard_cp',): (Shard(dim=0),)"]
+    assert runs("moe 1 expert, 2 ranks")["expert_placements"] == ["('dp_shard_cp',): (Shard(dim=1),)"]
+    assert runs("moe ep 2 x fsdp 2")["expert_placements"] == [
+        "('efsdp', 'ep'): (_StridedShard(dim=0, sf=2), Shard(dim=0))"]
+    for ep in ("moe ep 2", "moe ep 4"):
+        assert runs(ep)["expert_placements"] == ["('ep',): (Shard(dim=0),)"], ep
 
 
 @pytest.mark.slow
@@ -398,7 +401,7 @@ def test_lora_on_routed_experts_equals_the_merged_weight_reference(runs, referen
     assert_grads_close(run["grads"], ref["grads"], rtol=1e-5, atol=1e-6)  # atol: MOE_EQUIVALENT's
     assert run["frozen_with_grads"] == [] and run["optimizer_state_of_frozen"] == []
     if "ep 2" in name:  # each ep rank holds its experts whole: FSDP leaves their frozen weights on the ep mesh
-        assert "(Shard(dim=0),)" in run["expert_placements"], run["expert_placements"]
+        assert "('ep',): (Shard(dim=0),)" in run["expert_placements"], run["expert_placements"]
     if "qlora" in name:  # every expert weight in NF4 (the attention's too, where it splits into NF4 groups)
         assert sorted({n for n in run["nf4_weights"] if ".experts." in n}) == sorted(
             f"model.layers.{i}.mlp.experts.{w}" for i in range(4) for w in ("gate_up_proj", "down_proj"))
