@@ -58,7 +58,8 @@
 #   whole30b  issue #36, for 2 x H200: the whole Qwen3-30B-A3B (48 blocks, random init; MB rows a GPU and step,
 #             default 2) and gpt-oss-20b on P-7B
 #             rows with plan.auto (expert parallelism and lean state allowed: its choice), next to the planner's
-#             prediction; TRACE=1 profiles the 30B run at steps 7-8; PEER_BS="4": then the peer on the whole 30B
+#             prediction; whole30b-ep: the 30B with expert parallelism over every GPU and 8 bytes of state (issue
+#             #62; plan.auto picks the rest); TRACE=1 profiles the 30B runs at steps 7-8; PEER_BS="4": then the peer on the whole 30B
 #   config30b issue #36, for 2 x H200: configs/qwen3_30b_a3b.yaml's step (grad-acc 8, flex attention) under the layout
 #             the planner names for 2 x 141 GiB, and under plan.auto's choice on this card
 #   lora      issue #35: P-7B with rank-16 LoRA on every Linear of the blocks (bf16 base: ac 1 and
@@ -459,6 +460,7 @@ RUNS
       ac_runs whole30b <<RUNS
 whole30b configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b plan.auto=true plan.allow_lean_state=true train.micro_batch_size=${MB:-2} ${TRACE:+logging.profile_steps=[7,8]}
 whole-gptoss20b configs/bench/p7b.yaml model.name_or_path=configs/models/gpt-oss-20b model.attn_implementation=flex_attention plan.auto=true plan.allow_lean_state=true
+whole30b-ep configs/bench/p7b.yaml model.name_or_path=configs/models/qwen3-30b-a3b plan.auto=true train.micro_batch_size=${MB:-2} moe.ep_degree=$NGPU optim.state_dtype=bfloat16 optim.master_dtype=bfloat16 fsdp.reduce_dtype=bfloat16 ${TRACE:+logging.profile_steps=[7,8]}
 RUNS
       moe_loads runs/bench/whole30b runs/bench/whole-gptoss20b
       # the peer on the whole 30B (4 GPUs: it does not fit 2) at PEER_BS rows, full AC, from a checkpoint it writes

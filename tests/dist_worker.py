@@ -392,7 +392,7 @@ def empty_experts_probe(env) -> dict:
     compute = spread.compute
 
     def counted(rows: torch.Tensor, *args) -> torch.Tensor:  # the rows that arrived at this rank's experts
-        received[env.rank] = rows.shape[0]
+        received[env.rank] += rows.shape[0]
         return compute(rows, *args)
     spread.compute = counted
     sent = run_experts_across_ranks(spread, rows, ids, 4, mesh.get_group())

@@ -11,8 +11,8 @@ and every other weight stay FSDP-sharded over all ranks. Checkpoints hold the gl
 Dispatch (`run_experts_across_ranks`, per block, the rows already sorted by expert,
 sft/models/moe.py):
 
-1. the rows per expert (bincount) go to every ep rank in one all-to-all of E integers, so each
-   rank learns how many rows it will receive from whom;
+1. the rows per expert (from the sorted ids' group ends) go to every ep rank in one all-to-all of E
+   integers, so each rank learns how many rows it will receive from whom;
 2. **one host sync per block forward**: all_to_all needs its split sizes as host integers, and
    they depend on this step's routing. (Backward reuses them: no sync; a checkpointed block's
    recomputation, which reuses the forward's routing, sends the rows again: one more sync.)
@@ -20,12 +20,19 @@ sft/models/moe.py):
    no padding, nothing dropped; a rank whose experts got no row sends and receives empty splits
    and still takes part), are regrouped by local expert (a stable sort: rows keep their source
    order), run through the local experts' grouped GEMMs, put back in arrival order and return in
-   the reverse all-to-all, whose backward is the forward one's reverse (both differentiable).
+   the reverse all-to-all (`_AllToAll`: backward sends the gradients the other way).
 
-The all-to-alls are the functional collectives. Activation checkpointing recomputes them with the
-block (keeping what arrived would cost a block's whole MoE activations). The dispatch runs eagerly
-(a graph break in a compiled block: its sizes are data-dependent host integers); attention, the
-router and the combine around it are compiled.
+The all-to-alls are c10d's own calls: the functional collectives' wrappers cost ~0.1 ms of host
+time each, here where the GPU waits for the host (after the sync). Activation checkpointing
+recomputes them with the block (keeping what arrived would cost a block's whole MoE activations).
+The dispatch runs eagerly (a graph break in a compiled block: its sizes are data-dependent host
+integers); attention, the router and the combine around it are compiled. Measured on 2 x H200
+(docs/BENCHMARKS.md, issue #62): sending the rows in two chunks, the second's transfer under the
+first's matmuls, was 3.5% slower than one; a dispatch sized by a bound (no sync) would send ep x
+the rows; NVSHMEM's device-sized all-to-all (torch's all_to_all_vdev_2d) ran 10x slower than
+NCCL's (9.1 ms against 0.92 ms for 131,072 rows of 2,048 bf16). Under activation checkpointing a
+compiled block with this graph break runs eagerly whole: the whole Qwen3-30B-A3B at ac 1 ran at
+half the speed of expert parallelism's absence (the fix, one opaque op for the dispatch, is open).
 """
 
 from __future__ import annotations
@@ -34,19 +41,53 @@ import functools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from sft.distributed import log0
-from sft.models.experts import GroupedExperts, expert_ends
+from sft.models.experts import GroupedExperts, expert_ends, inverse_permutation, permute_rows
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from sft.models.moe import MoE
     from sft.parallel.mesh import ParallelDims
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ep ranks: `in_splits[r]` of them to rank r, `out_splits[r]` from it; backward
+    sends their gradients the other way."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return _all_to_all(rows, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, *ctx.splits, ctx.group), None, None, None
+
+
+def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup) -> torch.Tensor:
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group)
+    return out
+
+
+def _through_local_experts(experts: GroupedExperts, arrived: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Arrived rows (source-major, then by local expert; `counts` [ranks, local]: how many of
+    each) through this rank's experts, outputs in arrival order."""
+    local = counts.shape[1]
+    local_ids = torch.arange(local, device=arrived.device).repeat(counts.shape[0]).repeat_interleave(
+        counts.reshape(-1), output_size=arrived.shape[0])
+    # Regroup by local expert; stable, so each expert's rows keep their source (and token) order.
+    local_sorted, regroup = local_ids.sort(stable=True)
+    arrival = inverse_permutation(regroup)
+    out = experts.compute(permute_rows(arrived, regroup, arrival), local_sorted, expert_ends(local_sorted, local))
+    return permute_rows(out, arrival, regroup)
 
 
 @torch.compiler.disable  # split sizes are data-dependent host integers
@@ -56,20 +97,14 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
     returns their outputs in the same order."""
     ranks = group.size()
     local = num_experts // ranks
-    # [E]: rows for each expert, from here; from the sorted ids' group ends (bincount syncs on CUDA)
-    sent_counts = torch.diff(expert_ends(sorted_ids, num_experts).long(), prepend=sorted_ids.new_zeros(1))
-    # [ranks x local]: rows each rank sends to each of this rank's experts
-    received_counts = funcol.all_to_all_single(sent_counts, None, None, group).wait()
-    sent, received = torch.stack([sent_counts.view(ranks, local).sum(1),
-                                  received_counts.view(ranks, local).sum(1)]).tolist()  # the host sync
-    arrived = funcol.all_to_all_single_autograd(rows, received, sent, group).wait()  # source-major, then expert
-    # Regroup by local expert; stable, so each expert's rows keep their source (and token) order.
-    local_ids = torch.arange(local, device=rows.device).repeat(ranks).repeat_interleave(
-        received_counts, output_size=arrived.shape[0])
-    local_sorted, regroup = local_ids.sort(stable=True)
-    out = experts.compute(arrived[regroup], local_sorted, expert_ends(local_sorted, local))
-    out = torch.empty_like(out).index_copy_(0, regroup, out)  # back in arrival order
-    return funcol.all_to_all_single_autograd(out, sent, received, group).wait()
+    # [ranks, local]: rows for each expert, from here; from the sorted ids' group ends (bincount syncs on CUDA)
+    sent_counts = torch.diff(expert_ends(sorted_ids, num_experts).long(),
+                             prepend=sorted_ids.new_zeros(1)).view(ranks, local)
+    received_counts = torch.empty_like(sent_counts)  # [ranks, local]: rows each rank sends to this rank's experts
+    dist.all_to_all_single(received_counts, sent_counts, group=group)
+    sent, received = torch.stack([sent_counts.sum(1), received_counts.sum(1)]).tolist()  # the host sync
+    arrived = _AllToAll.apply(rows, received, sent, group)  # source-major, then expert
+    return _AllToAll.apply(_through_local_experts(experts, arrived, received_counts), sent, received, group)
 
 
 def _shard_by_expert(experts: nn.Module, mesh) -> None:
