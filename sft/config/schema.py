@@ -256,10 +256,10 @@ class MoEConfig:
     per block forward for the split sizes). 1 turns it off: the experts are FSDP-sharded like
     every other weight and all-gathered in every block. Must divide the ranks and the number of
     experts; checkpoints resume at any degree. With cp.degree, the rows' parts travel from every
-    rank of a cp group alike. Not with fsdp.replicate_degree > 1 or lora.base=nf4 yet. Measured
-    on 2 H200 (NVLink), Qwen3-30B-A3B widths at 10 blocks: 6% slower than 1 (dfebf3d), whose
-    all-gathers hide under compute where the all-to-alls cannot (docs/BENCHMARKS.md); what it
-    saves is the gathered experts' memory."""
+    rank of a cp group alike. Not with fsdp.replicate_degree > 1 or lora.base=nf4 yet. Over every
+    rank, bf16 experts stay whole outside FSDP. Measured on 2 H200, Qwen3-30B-A3B widths: 10 blocks
+    without AC 1.7% faster than 1; the whole model, checkpointed, half as fast (its blocks then run
+    eagerly: docs/BENCHMARKS.md, issue #62)."""
 
 
 @dataclass

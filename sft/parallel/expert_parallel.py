@@ -3,13 +3,11 @@ block, and the rows routed to an expert travel to the rank that holds it and bac
 
 Placement (`apply_expert_parallel`, on the meta-device model before anything wraps the blocks):
 each block's expert weights become DTensors over the ep ranks, sharded by expert (Shard(0): ep rank
-r holds experts [r E/ep, (r+1) E/ep)); FSDP then shards each rank's experts over the ranks
-orthogonal to ep (sft/parallel/fsdp.py; the mesh: sft/parallel/mesh.py). The routers, attention
-and every other weight stay FSDP-sharded over all ranks. Checkpoints hold the global tensors
-(DCP reshards), so a run resumes at any ep degree.
+r holds experts [r E/ep, (r+1) E/ep)); FSDP then shards them over the ranks orthogonal to ep, or
+leaves them whole where ep spans every rank (sft/parallel/fsdp.py). Everything else stays
+FSDP-sharded over all ranks. Checkpoints hold the global tensors: a run resumes at any ep degree.
 
-Dispatch (`run_experts_across_ranks`, per block, the rows already sorted by expert,
-sft/models/moe.py):
+Dispatch (`run_experts_across_ranks`, per block, the rows sorted by expert, sft/models/moe.py):
 
 1. the rows per expert (from the sorted ids' group ends) go to every ep rank in one all-to-all of E
    integers, so each rank learns how many rows it will receive from whom;
@@ -22,17 +20,14 @@ sft/models/moe.py):
    order), run through the local experts' grouped GEMMs, put back in arrival order and return in
    the reverse all-to-all (`_AllToAll`: backward sends the gradients the other way).
 
-The all-to-alls are c10d's own calls: the functional collectives' wrappers cost ~0.1 ms of host
-time each, here where the GPU waits for the host (after the sync). Activation checkpointing
-recomputes them with the block (keeping what arrived would cost a block's whole MoE activations).
-The dispatch runs eagerly (a graph break in a compiled block: its sizes are data-dependent host
-integers); attention, the router and the combine around it are compiled. Measured on 2 x H200
-(docs/BENCHMARKS.md, issue #62): sending the rows in two chunks, the second's transfer under the
-first's matmuls, was 3.5% slower than one; a dispatch sized by a bound (no sync) would send ep x
-the rows; NVSHMEM's device-sized all-to-all (torch's all_to_all_vdev_2d) ran 10x slower than
-NCCL's (9.1 ms against 0.92 ms for 131,072 rows of 2,048 bf16). Under activation checkpointing a
-compiled block with this graph break runs eagerly whole: the whole Qwen3-30B-A3B at ac 1 ran at
-half the speed of expert parallelism's absence (the fix, one opaque op for the dispatch, is open).
+The all-to-alls are c10d's own calls (the functional collectives' wrappers cost host time where
+the GPU waits for the host, after the sync). Activation checkpointing recomputes them with the
+block (keeping what arrived would cost a block's whole MoE activations). The dispatch runs eagerly,
+a graph break in a compiled block (its sizes are host integers): without checkpointing the block
+compiles around it, but a checkpointed block then runs eagerly whole (half the speed of ep 1 on
+the whole Qwen3-30B-A3B; the fix, the dispatch as one opaque op, is open). Measured and dropped
+(docs/BENCHMARKS.md, issue #62): two chunks of rows, one's transfer under the other's matmuls (3.5%
+slower); NVSHMEM's device-sized all-to-all (no sync; 10x slower than NCCL's here).
 """
 
 from __future__ import annotations

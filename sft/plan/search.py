@@ -159,9 +159,10 @@ def roomier_layout(s: Shapes, cfg: Config, m: Machine, lean: bool = True) -> tup
     `lean` bf16 Adam moments, then also bf16 master weights and gradient reduction; then expert
     parallelism over a whole replica (MoE models: each GPU gathers only its share of a block's
     experts; the same numerics). Expert parallelism comes last because it has been slower wherever
-    it was measured: on 2 H200, the whole Moonlight-16B-A3B with 8 bytes of state ran 11,379
-    tok/s/GPU without it and 6,868 with it (micro-batch 2, ac 1 attention), and its plan.auto choice
-    with it and float32 state 4,138 (docs/BENCHMARKS.md). Each step adds to the ones before; a step
+    blocks are checkpointed (they then run eagerly): on 2 H200, the whole Moonlight-16B-A3B with 8
+    bytes of state ran 11,379 tok/s/GPU without it and 6,868 with it (micro-batch 2, ac 1 attention),
+    the whole Qwen3-30B-A3B 10,329 and 5,670 (ac 1 attention, docs/BENCHMARKS.md). Each step adds
+    to the ones before; a step
     the config's checks refuse (sft/config/checks.py: e.g. bf16 masters with LoRA) is left out. As
     (config, suggest's choice, its overrides); where none fits, the roomiest with choice None; None
     if there is none."""
