@@ -258,8 +258,8 @@ class MoEConfig:
     experts; checkpoints resume at any degree. With cp.degree, the rows' parts travel from every
     rank of a cp group alike. Not with fsdp.replicate_degree > 1 or lora.base=nf4 yet. Over every
     rank, bf16 experts stay whole outside FSDP. Measured on 2 H200, Qwen3-30B-A3B widths: 10 blocks
-    without AC 1.7% faster than 1; the whole model, checkpointed, half as fast (its blocks then run
-    eagerly: docs/BENCHMARKS.md, issue #62)."""
+    without AC 1.7% faster than 1; the whole model checkpointed half as fast while its blocks ran
+    eagerly (now one op, to be measured: docs/BENCHMARKS.md, issue #62)."""
 
 
 @dataclass

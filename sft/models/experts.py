@@ -52,14 +52,13 @@ class GroupedExperts:
     """What our experts compute, on top of the model's own experts class (its weights, layout flags
     and gate activation: transformers' experts interface). Called as transformers calls its experts,
     (hidden states [T, H], top-k expert ids [T, K], top-k weights [T, K]) -> [T, H]; the rows sorted
-    by expert reach their experts through `run_experts` (here, or across the ep ranks), which call
-    `compute`. A module of its own, so FSDP can gather its weights over the ranks that shard them."""
+    by expert reach their experts through `outputs` (`expert_outputs` here, or across the ep ranks),
+    which call `compute`. A module of its own, so FSDP can gather its weights over the ranks that shard them."""
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self.top_k_index = top_k_index  # for the block's statistics
-        return expert_outputs(self, hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index,
-                              self.num_experts, self.run_experts)
+        return self.outputs(self, hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index)
 
     def compute(self, rows: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Each row through its expert: rows sorted by (this rank's) expert, `expert_ids` their
@@ -150,10 +149,11 @@ def permute_rows(rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) 
 
 
 def expert_outputs(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-                   num_experts: int, run_experts=run_local_experts) -> torch.Tensor:
+                   run_experts=run_local_experts) -> torch.Tensor:
     """sum_k top_w[t, k] * expert_{top_i[t, k]}(x[t]) for every token t, dropless. `run_experts`
     takes the rows sorted by expert to their experts and back (here, or across the ep ranks)."""
     tokens, k = top_i.shape
+    num_experts = experts.num_experts
     # Stable sort: within an expert, rows keep token order, so results do not depend on the sort.
     sorted_ids, order = top_i.reshape(-1).sort(stable=True)
     inverse = inverse_permutation(order)

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from sft.config import MoEConfig
 from sft.errors import UserError
 from sft.models.architecture import become, text_config
-from sft.models.experts import GroupedExperts, run_local_experts
+from sft.models.experts import GroupedExperts, expert_outputs
 
 
 class MoEError(UserError):
@@ -228,7 +228,7 @@ def apply_moe(model: nn.Module, cfg: MoEConfig) -> MoE | None:
         router.requires_grad_(cfg.train_router)
         become(router, KeepsRouterLogits)
         become(block.experts, GroupedExperts)
-        block.experts.run_experts = run_local_experts  # across the ep ranks: sft/parallel/expert_parallel.py
+        block.experts.outputs = expert_outputs  # across the ep ranks: sft/parallel/expert_parallel.py
         become(block, SparseMoE)
         block.router_name, block.real_tokens, block.aux_scale, block.stats = router_name, None, None, None
         block.cp_group = None

@@ -21,13 +21,13 @@ Dispatch (`run_experts_across_ranks`, per block, the rows sorted by expert, sft/
    the reverse all-to-all (`_AllToAll`: backward sends the gradients the other way).
 
 The all-to-alls are c10d's own calls (the functional collectives' wrappers cost host time where
-the GPU waits for the host, after the sync). Activation checkpointing recomputes them with the
-block (keeping what arrived would cost a block's whole MoE activations). The dispatch runs eagerly,
-a graph break in a compiled block (its sizes are host integers): without checkpointing the block
-compiles around it, but a checkpointed block then runs eagerly whole (half the speed of ep 1 on
-the whole Qwen3-30B-A3B; the fix, the dispatch as one opaque op, is open). Measured and dropped
-(docs/BENCHMARKS.md, issue #62): two chunks of rows, one's transfer under the other's matmuls (3.5%
-slower); NVSHMEM's device-sized all-to-all (no sync; 10x slower than NCCL's here).
+the GPU waits for the host). Activation checkpointing recomputes them with the block (keeping what
+arrived would cost a block's whole MoE activations). Without checkpointing the dispatch runs
+eagerly, a graph break the compiled block compiles around; a checkpointed compiled block with a
+break ran eagerly whole (half ep 1's speed, the whole Qwen3-30B-A3B), so with ac.ratio > 0 the
+block's experts are one opaque op (`_expert_outputs_op`), whose backward runs their forward again.
+Measured and dropped (docs/BENCHMARKS.md, issue #62): two chunks of rows, one's transfer under the
+other's matmuls (3.5% slower); NVSHMEM's device-sized all-to-all (no sync; 10x slower than NCCL's).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from sft.distributed import log0
-from sft.models.experts import GroupedExperts, expert_ends, inverse_permutation, permute_rows
+from sft.models.experts import GroupedExperts, expert_ends, expert_outputs, inverse_permutation, permute_rows
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -85,7 +85,7 @@ def _through_local_experts(experts: GroupedExperts, arrived: torch.Tensor, count
     return permute_rows(out, arrival, regroup)
 
 
-@torch.compiler.disable  # split sizes are data-dependent host integers
+@torch.compiler.disable  # split sizes are data-dependent host integers (a graph break; in the op, eager)
 def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted_ids: torch.Tensor,
                              num_experts: int, group: ProcessGroup) -> torch.Tensor:
     """Rows sorted by (global) expert through their experts, wherever they live on the ep ranks;
@@ -102,6 +102,79 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
     return _AllToAll.apply(_through_local_experts(experts, arrived, received_counts), sent, received, group)
 
 
+# The experts of each block under expert parallelism, for the op below (which takes tensors and
+# integers only): key -> (experts, ep group).
+_ACROSS_RANKS: dict[int, tuple] = {}
+
+
+def _outputs_across_ranks(key: int, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
+    experts, group = _ACROSS_RANKS[key]
+    return expert_outputs(experts, x, top_w, top_i, functools.partial(run_experts_across_ranks, group=group))
+
+
+@torch.library.custom_op("sft::expert_outputs_across_ranks", mutates_args=())
+def _expert_outputs_op(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, key: int) -> torch.Tensor:
+    """One block's experts across the ep ranks as one op whose output has the input's shape: a
+    compiled block holds it whole, where the dispatch's host-integer sizes were a graph break (and
+    under activation checkpointing a break sent the whole block to eager: half the speed). The
+    experts' weights are read from the module, as its forward would (FSDP's gathered ones, or each
+    rank's own), not passed in: a DTensor's to_local in a compiled checkpointed region fails."""
+    with torch.no_grad():
+        return _outputs_across_ranks(key, x, top_w, top_i)
+
+
+@_expert_outputs_op.register_fake
+def _(x, top_w, top_i, key):
+    return torch.empty_like(x)
+
+
+def _autograd_back_on():
+    """A context in which autograd records again: a custom op's kernel runs below autograd's
+    dispatch keys (torch._library.autograd), and its backward differentiates the experts' forward."""
+    keys = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "AutogradCPU", "AutogradCUDA"):
+        if hasattr(torch._C.DispatchKey, name):
+            keys = keys.remove(getattr(torch._C.DispatchKey, name))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), keys)
+
+
+@torch.library.custom_op("sft::expert_outputs_across_ranks_backward", mutates_args=())
+def _expert_outputs_backward_op(grad: torch.Tensor, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
+                                key: int) -> list[torch.Tensor]:
+    """The gradients of x and top_w: the forward again with autograd (its rows sent again, as a
+    checkpointed block's recomputation did), then its backward, which also accumulates the experts'
+    weight gradients where autograd puts a leaf's (so FSDP reduces them after this block's backward)."""
+    with _autograd_back_on(), torch.enable_grad():
+        x, top_w = x.detach().requires_grad_(), top_w.detach().requires_grad_()
+        torch.autograd.backward(_outputs_across_ranks(key, x, top_w, top_i), grad)
+    return [x.grad, top_w.grad]
+
+
+@_expert_outputs_backward_op.register_fake
+def _(grad, x, top_w, top_i, key):
+    return [torch.empty_like(x), torch.empty_like(top_w)]
+
+
+def _save_inputs(ctx, inputs, output) -> None:
+    x, top_w, top_i, key = inputs
+    ctx.save_for_backward(x, top_w, top_i)
+    ctx.key = key
+
+
+def _backward(ctx, grad: torch.Tensor):
+    grad_x, grad_w = _expert_outputs_backward_op(grad, *ctx.saved_tensors, ctx.key)
+    return grad_x, grad_w, None, None
+
+
+_expert_outputs_op.register_autograd(_backward, setup_context=_save_inputs)
+
+
+def expert_outputs_across_ranks(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor,
+                                top_i: torch.Tensor, key: int) -> torch.Tensor:
+    """GroupedExperts.outputs under expert parallelism, as the op (`key`: these experts')."""
+    return _expert_outputs_op(x, top_w, top_i, key)
+
+
 def _shard_by_expert(experts: nn.Module, mesh) -> None:
     """Each expert weight (and gpt-oss bias, and LoRA's adapters of them) of `experts` as a DTensor
     over the ep ranks, sharded by expert; on the meta device, where nothing is allocated."""
@@ -114,8 +187,11 @@ def _shard_by_expert(experts: nn.Module, mesh) -> None:
         experts.get_submodule(owner).register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:
-    """Spread every MoE block's experts over the ep ranks and send each block's rows across them."""
+def apply_expert_parallel(moe: MoE, dims: ParallelDims, as_one_op: bool) -> None:
+    """Spread every MoE block's experts over the ep ranks and send each block's rows across them;
+    `as_one_op` (where blocks are checkpointed) as the opaque op, which a compiled checkpointed
+    block holds whole but whose backward runs the experts' forward once more; otherwise eagerly,
+    a graph break that a compiled block without checkpointing compiles around."""
     mesh = dims.ep_mesh
     # Each block's experts become an FSDP unit inside the (checkpointed) block, whose hooks mark
     # themselves for the profiler a different number of times in forward and in recomputation;
@@ -124,6 +200,9 @@ def apply_expert_parallel(moe: MoE, dims: ParallelDims) -> None:
                             torch.ops.profiler._record_function_exit._RecordFunction))
     for block in moe.blocks:
         _shard_by_expert(block.experts, mesh)
-        block.experts.run_experts = functools.partial(run_experts_across_ranks, group=mesh.get_group())
+        key, group = len(_ACROSS_RANKS), mesh.get_group()
+        _ACROSS_RANKS[key] = (block.experts, group)
+        block.experts.outputs = functools.partial(expert_outputs_across_ranks, key=key) if as_one_op else \
+            functools.partial(expert_outputs, run_experts=functools.partial(run_experts_across_ranks, group=group))
     log0(f"applied expert parallelism: {moe.num_experts // dims.ep} of {moe.num_experts} "
          f"experts per rank in {len(moe.blocks)} blocks, over {dims.ep} ranks")

@@ -54,7 +54,7 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe, checkpointed_compiled=compile_blocks and ac.ratio > 0)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
-        apply_expert_parallel(moe, dims)
+        apply_expert_parallel(moe, dims, as_one_op=ac.ratio > 0)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks, lora=lora)
     if ac.mlp_tile_tokens:  # inside the checkpointed region: the recomputation tiles too

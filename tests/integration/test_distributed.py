@@ -258,7 +258,9 @@ MOE_RUNS = [
     ("moe ep 2, ops_half, ratio 1", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--ac-ratio", "1",
                                                "--ac-mode", "ops_half"]),
     ("moe ep 2, blocks, ratio 1", "moe", 2, ["--grad-accum", "2", "--ep", "2", "--ac-ratio", "1"]),
-    ("moe ep 2 x fsdp 2", "moe", 4, ["--ep", "2"]),  # each ep rank's 4 experts FSDP-sharded over 2 ranks
+    # each ep rank's 4 experts FSDP-sharded over 2 ranks; checkpointed: the dispatch as one op (its
+    # backward accumulates into FSDP's gathered weights)
+    ("moe ep 2 x fsdp 2", "moe", 4, ["--ep", "2", "--ac-ratio", "1"]),
     ("moe ep 4", "moe", 4, ["--ep", "4"]),
     ("gpt-oss ep 2", "gpt-oss", 2, ["--grad-accum", "2", "--attn", "eager", "--ep", "2"]),
     # Context parallelism: each row split over the cp ranks; the aux term counts the whole rows
@@ -375,7 +377,7 @@ EXPERT_LORA_RUNS = [
     ("gpt-oss expert lora reference", "gpt-oss", 1, ["--reference", *EXPERT_LORA, "--attn", "eager"]),
     ("gpt-oss expert lora 2 ranks", "gpt-oss", 2, [*EXPERT_LORA, "--grad-accum", "2", "--attn", "eager"]),
     # expert parallelism: the adapters sharded by expert with their weights
-    ("expert lora ep 2", "moe", 2, [*EXPERT_LORA, "--grad-accum", "2", "--ep", "2"]),
+    ("expert lora ep 2", "moe", 2, [*EXPERT_LORA, "--grad-accum", "2", "--ep", "2", "--ac-ratio", "1"]),  # one op
     # QLoRA: the experts' base in NF4 too, whole on every rank, dequantised in forward and backward
     ("expert qlora reference", "moe", 1, ["--reference", *EXPERT_LORA, "--lora-base", "nf4"]),
     ("expert qlora 2 ranks, blocks checkpointed", "moe", 2,

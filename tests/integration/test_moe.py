@@ -79,6 +79,55 @@ def test_compiled_block_keeps_the_load_balancing_gradient(dtype):
     assert (aux_compiled - aux_eager).norm() < (0.05 if dtype == torch.bfloat16 else 1e-4) * aux_eager.norm()
 
 
+@pytest.mark.slow  # compiles
+def test_a_checkpointed_block_compiles_whole_under_expert_parallelism():
+    """Expert parallelism's dispatch is one op (sft/parallel/expert_parallel.py): a compiled block,
+    checkpointed, holds it without a graph break (a break sent the whole block to eager: half the
+    speed on GPUs), and its loss and gradients equal the eager block's without expert parallelism
+    (here over a group of one rank; 2 and 4 ranks: tests/integration/test_distributed.py)."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sft.config import ACConfig
+    from sft.distributed import local_part
+    from sft.parallel.activation_checkpointing import apply_ac
+    from sft.parallel.expert_parallel import apply_expert_parallel
+    from zoo import _one_rank
+
+    _one_rank()
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        model = hf_moe_model(num_hidden_layers=1)
+        ids = torch.randint(0, 800, (2, 16))
+        results = []
+        for spread in (False, True):
+            run = copy.deepcopy(model)
+            moe = apply_moe(run, MoEConfig(aux_loss_coef=1.0))
+            if spread:
+                apply_expert_parallel(moe, SimpleNamespace(ep_mesh=init_device_mesh("cpu", (1,)), ep=1), as_one_op=True)
+                [block] = apply_ac(run, list(run.model.layers), ACConfig(ratio=1.0), always_kept=moe.kept_ops)
+                block.compile()
+            moe.begin_step(torch.tensor(32.0))
+            moe.begin_micro_batch(torch.ones(2, 16, dtype=torch.bool))
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.item(), {n.replace("_checkpoint_wrapped_module.", ""): local_part(p.grad)
+                                          for n, p in run.named_parameters()}))
+        assert dict(counters["graph_break"]) == {}
+        (eager_loss, eager_grads), (loss, grads) = results
+        assert loss == pytest.approx(eager_loss, rel=1e-6)
+        assert eager_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_gpt_oss_trains_and_exports_with_the_default_attention(tmp_path, demo_data):
     """gpt-oss has no SDPA (its attention sinks): with the default model.attn_implementation the run
     says once that it uses eager on this CPU, trains, and its export (built without attention of
