@@ -395,7 +395,8 @@ def empty_experts_probe(env) -> dict:
         received[env.rank] += rows.shape[0]
         return compute(rows, *args)
     spread.compute = counted
-    sent = run_experts_across_ranks(spread, rows, ids, 4, mesh.get_group())
+    spread.ep_group = mesh.get_group()
+    sent = run_experts_across_ranks(spread, rows, ids, 4)
     sent.square().sum().backward()
     result = {"max_output_error": all_reduce_sum([(sent - expected).abs().max().item()], env.device).item(),
               "received_rows": [int(x) for x in all_reduce_sum(received, env.device)]}

@@ -7,13 +7,13 @@ r holds experts [r E/ep, (r+1) E/ep)); FSDP then shards them over the ranks orth
 leaves them whole where ep spans every rank (sft/parallel/fsdp.py). Everything else stays
 FSDP-sharded over all ranks. Checkpoints hold the global tensors: a run resumes at any ep degree.
 
-Dispatch (`run_experts_across_ranks`, per block, the rows sorted by expert, sft/models/moe.py):
+Dispatch (`run_experts_across_ranks`, per block, the rows sorted by expert, sft/models/experts.py):
 
 1. the rows per expert (from the sorted ids' group ends) go to every ep rank in one all-to-all of E
    integers, so each rank learns how many rows it will receive from whom;
 2. **one host sync per block forward**: all_to_all needs its split sizes as host integers, and
-   they depend on this step's routing. (Backward reuses them: no sync; a checkpointed block's
-   recomputation, which reuses the forward's routing, sends the rows again: one more sync.)
+   they depend on this step's routing. (Backward reuses them; a checkpointed block's recomputation
+   and its op's backward, which reuse the forward's routing, send the rows again: a sync each.)
 3. the rows go to their experts' ranks in one all-to-all (exactly the routed rows: no capacity,
    no padding, nothing dropped; a rank whose experts got no row sends and receives empty splits
    and still takes part), are regrouped by local expert (a stable sort: rows keep their source
@@ -24,15 +24,15 @@ The all-to-alls are c10d's own calls (the functional collectives' wrappers cost 
 the GPU waits for the host). Activation checkpointing recomputes them with the block (keeping what
 arrived would cost a block's whole MoE activations). Without checkpointing the dispatch runs
 eagerly, a graph break the compiled block compiles around; a checkpointed compiled block with a
-break ran eagerly whole (half ep 1's speed, the whole Qwen3-30B-A3B), so with ac.ratio > 0 the
-block's experts are one opaque op (`_expert_outputs_op`), whose backward runs their forward again.
+break ran eagerly whole (half ep 1's speed, the whole Qwen3-30B-A3B), so in a checkpointed block
+the experts are one opaque op (`_expert_outputs_op`), whose backward runs their forward again.
 Measured and dropped (docs/BENCHMARKS.md, issue #62): two chunks of rows, one's transfer under the
 other's matmuls (3.5% slower); NVSHMEM's device-sized all-to-all (no sync; 10x slower than NCCL's).
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,9 +87,10 @@ def _through_local_experts(experts: GroupedExperts, arrived: torch.Tensor, count
 
 @torch.compiler.disable  # split sizes are data-dependent host integers (a graph break; in the op, eager)
 def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted_ids: torch.Tensor,
-                             num_experts: int, group: ProcessGroup) -> torch.Tensor:
-    """Rows sorted by (global) expert through their experts, wherever they live on the ep ranks;
-    returns their outputs in the same order."""
+                             num_experts: int) -> torch.Tensor:
+    """Rows sorted by (global) expert through their experts, wherever they live on the ep ranks
+    (`experts.ep_group`); returns their outputs in the same order."""
+    group = experts.ep_group
     ranks = group.size()
     local = num_experts // ranks
     # [ranks, local]: rows for each expert, from here; from the sorted ids' group ends (bincount syncs on CUDA)
@@ -102,23 +103,29 @@ def run_experts_across_ranks(experts: GroupedExperts, rows: torch.Tensor, sorted
     return _AllToAll.apply(_through_local_experts(experts, arrived, received_counts), sent, received, group)
 
 
-# The experts of each block under expert parallelism, for the op below (which takes tensors and
-# integers only): key -> (experts, ep group).
-_ACROSS_RANKS: dict[int, tuple] = {}
+def expert_outputs_across_ranks(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor,
+                                top_i: torch.Tensor) -> torch.Tensor:
+    """GroupedExperts.outputs under expert parallelism, in a block that is not checkpointed: eagerly
+    (a graph break, which the compiled block compiles around)."""
+    return expert_outputs(experts, x, top_w, top_i, run_experts_across_ranks)
 
 
-def _outputs_across_ranks(key: int, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
-    experts, group = _ACROSS_RANKS[key]
-    return expert_outputs(experts, x, top_w, top_i, functools.partial(run_experts_across_ranks, group=group))
+# The experts of each checkpointed block, for the op below (which takes tensors only): key -> experts.
+_ACROSS_RANKS: dict[int, weakref.ref] = {}
+
+
+def _outputs_across_ranks(key: torch.Tensor, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor):
+    return expert_outputs_across_ranks(_ACROSS_RANKS[int(key)](), x, top_w, top_i)
 
 
 @torch.library.custom_op("sft::expert_outputs_across_ranks", mutates_args=())
-def _expert_outputs_op(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, key: int) -> torch.Tensor:
+def _expert_outputs_op(x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """One block's experts across the ep ranks as one op whose output has the input's shape: a
-    compiled block holds it whole, where the dispatch's host-integer sizes were a graph break (and
-    under activation checkpointing a break sent the whole block to eager: half the speed). The
-    experts' weights are read from the module, as its forward would (FSDP's gathered ones, or each
-    rank's own), not passed in: a DTensor's to_local in a compiled checkpointed region fails."""
+    compiled checkpointed block holds it whole, where the dispatch's graph break sent the whole
+    block to eager (half the speed). The experts' weights are read from the module, as its forward
+    would (FSDP's gathered ones, or each rank's own), not passed in (a DTensor's to_local in a
+    compiled checkpointed region fails); `key` (a tensor: an integer would be a constant, one
+    compiled graph per block) names the experts."""
     with torch.no_grad():
         return _outputs_across_ranks(key, x, top_w, top_i)
 
@@ -140,10 +147,11 @@ def _autograd_back_on():
 
 @torch.library.custom_op("sft::expert_outputs_across_ranks_backward", mutates_args=())
 def _expert_outputs_backward_op(grad: torch.Tensor, x: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor,
-                                key: int) -> list[torch.Tensor]:
-    """The gradients of x and top_w: the forward again with autograd (its rows sent again, as a
-    checkpointed block's recomputation did), then its backward, which also accumulates the experts'
-    weight gradients where autograd puts a leaf's (so FSDP reduces them after this block's backward)."""
+                                key: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of x and top_w: the experts' forward once more with autograd (the rows sent
+    again and one more host sync; under checkpointing this comes on top of the recomputation's),
+    then its backward, which also accumulates the experts' weight gradients where autograd puts a
+    leaf's (so FSDP reduces them after this block's backward)."""
     with _autograd_back_on(), torch.enable_grad():
         x, top_w = x.detach().requires_grad_(), top_w.detach().requires_grad_()
         torch.autograd.backward(_outputs_across_ranks(key, x, top_w, top_i), grad)
@@ -156,23 +164,26 @@ def _(grad, x, top_w, top_i, key):
 
 
 def _save_inputs(ctx, inputs, output) -> None:
-    x, top_w, top_i, key = inputs
-    ctx.save_for_backward(x, top_w, top_i)
-    ctx.key = key
+    ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx, grad: torch.Tensor):
-    grad_x, grad_w = _expert_outputs_backward_op(grad, *ctx.saved_tensors, ctx.key)
+    grad_x, grad_w = _expert_outputs_backward_op(grad, *ctx.saved_tensors)
     return grad_x, grad_w, None, None
 
 
 _expert_outputs_op.register_autograd(_backward, setup_context=_save_inputs)
 
 
-def expert_outputs_across_ranks(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor,
-                                top_i: torch.Tensor, key: int) -> torch.Tensor:
-    """GroupedExperts.outputs under expert parallelism, as the op (`key`: these experts')."""
-    return _expert_outputs_op(x, top_w, top_i, key)
+def expert_outputs_as_one_op(experts: GroupedExperts, x: torch.Tensor, top_w: torch.Tensor,
+                             top_i: torch.Tensor) -> torch.Tensor:
+    """GroupedExperts.outputs under expert parallelism in a checkpointed block: the op. It carries
+    gradients through its inputs alone, so where none needs one but the experts train (LoRA on the
+    experts alone, the first block), eagerly instead."""
+    if torch.is_grad_enabled() and not (x.requires_grad or top_w.requires_grad) and \
+            any(p.requires_grad for p in experts.parameters()):
+        return expert_outputs_across_ranks(experts, x, top_w, top_i)
+    return _expert_outputs_op(x, top_w, top_i, experts.ep_key)
 
 
 def _shard_by_expert(experts: nn.Module, mesh) -> None:
@@ -187,22 +198,24 @@ def _shard_by_expert(experts: nn.Module, mesh) -> None:
         experts.get_submodule(owner).register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(moe: MoE, dims: ParallelDims, as_one_op: bool) -> None:
-    """Spread every MoE block's experts over the ep ranks and send each block's rows across them;
-    `as_one_op` (where blocks are checkpointed) as the opaque op, which a compiled checkpointed
-    block holds whole but whose backward runs the experts' forward once more; otherwise eagerly,
-    a graph break that a compiled block without checkpointing compiles around."""
+def apply_expert_parallel(moe: MoE, dims: ParallelDims, checkpointed: set[nn.Module]) -> None:
+    """Spread every MoE block's experts over the ep ranks and send each block's rows across them:
+    in a block of `checkpointed` (modules of the blocks activation checkpointing wraps) as one op
+    (its backward runs the experts' forward once more), elsewhere eagerly. The same function on
+    every block, the group and key on the experts: compiled blocks share one graph."""
     mesh = dims.ep_mesh
-    # Each block's experts become an FSDP unit inside the (checkpointed) block, whose hooks mark
+    # Where each block's experts are an FSDP unit inside the (checkpointed) block, its hooks mark
     # themselves for the profiler a different number of times in forward and in recomputation;
     # selective checkpointing matches every op of the two by count. The marks compute nothing.
     SAC_IGNORED_OPS.update((torch.ops.profiler._record_function_enter_new.default,
                             torch.ops.profiler._record_function_exit._RecordFunction))
     for block in moe.blocks:
-        _shard_by_expert(block.experts, mesh)
-        key, group = len(_ACROSS_RANKS), mesh.get_group()
-        _ACROSS_RANKS[key] = (block.experts, group)
-        block.experts.outputs = functools.partial(expert_outputs_across_ranks, key=key) if as_one_op else \
-            functools.partial(expert_outputs, run_experts=functools.partial(run_experts_across_ranks, group=group))
+        experts = block.experts
+        _shard_by_expert(experts, mesh)
+        experts.ep_group = mesh.get_group()
+        if block in checkpointed:
+            experts.ep_key = torch.tensor(len(_ACROSS_RANKS))
+            _ACROSS_RANKS[len(_ACROSS_RANKS)] = weakref.ref(experts)
+        experts.outputs = expert_outputs_as_one_op if block in checkpointed else expert_outputs_across_ranks
     log0(f"applied expert parallelism: {moe.num_experts // dims.ep} of {moe.num_experts} "
          f"experts per rank in {len(moe.blocks)} blocks, over {dims.ep} ranks")

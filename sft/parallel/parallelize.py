@@ -19,7 +19,7 @@ from torch import nn
 
 from sft.config import ACConfig, FSDPConfig
 from sft.distributed import log0
-from sft.parallel.activation_checkpointing import apply_ac, apply_host_offload
+from sft.parallel.activation_checkpointing import ac_block_indices, apply_ac, apply_host_offload
 from sft.parallel.context_parallel import apply_context_parallel
 from sft.parallel.expert_parallel import apply_expert_parallel
 from sft.parallel.float8 import apply_float8
@@ -54,7 +54,8 @@ def parallelize(model: nn.Module, blocks: list[nn.Module], dims: ParallelDims, a
     if dims.cp_enabled:  # swaps the attention function only; nothing wraps anything yet
         apply_context_parallel(model, dims, moe, checkpointed_compiled=compile_blocks and ac.ratio > 0)
     if dims.ep_enabled:  # apply_moe refused moe.ep_degree > 1 for a dense model
-        apply_expert_parallel(moe, dims, as_one_op=ac.ratio > 0)
+        checkpointed = {m for i in ac_block_indices(len(blocks), ac.ratio) for m in blocks[i].modules()}
+        apply_expert_parallel(moe, dims, checkpointed)
     if float8 != "none":
         apply_float8(blocks, float8, emulate=dims.fsdp_mesh.device_type == "cpu", compiled=compile_blocks, lora=lora)
     if ac.mlp_tile_tokens:  # inside the checkpointed region: the recomputation tiles too

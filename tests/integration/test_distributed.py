@@ -378,6 +378,10 @@ EXPERT_LORA_RUNS = [
     ("gpt-oss expert lora 2 ranks", "gpt-oss", 2, [*EXPERT_LORA, "--grad-accum", "2", "--attn", "eager"]),
     # expert parallelism: the adapters sharded by expert with their weights
     ("expert lora ep 2", "moe", 2, [*EXPERT_LORA, "--grad-accum", "2", "--ep", "2", "--ac-ratio", "1"]),  # one op
+    # ... on the experts alone: nothing before the first block's experts needs a gradient
+    ("experts-only lora ep 2", "moe", 2, [*EXPERT_LORA[:2], "--lora-targets", "experts", *EXPERT_LORA[4:], "--ep", "2"]),
+    ("experts-only lora ep 2, ratio 1", "moe", 2,
+     [*EXPERT_LORA[:2], "--lora-targets", "experts", *EXPERT_LORA[4:], "--ep", "2", "--ac-ratio", "1"]),
     # QLoRA: the experts' base in NF4 too, whole on every rank, dequantised in forward and backward
     ("expert qlora reference", "moe", 1, ["--reference", *EXPERT_LORA, "--lora-base", "nf4"]),
     ("expert qlora 2 ranks, blocks checkpointed", "moe", 2,
@@ -389,6 +393,21 @@ EXPERT_LORA_EQUIVALENT = [("expert lora reference", "expert lora 2 ranks, grad-a
                           ("gpt-oss expert lora reference", "gpt-oss expert lora 2 ranks"),
                           ("expert lora reference", "expert lora ep 2"),
                           ("expert qlora reference", "expert qlora 2 ranks, blocks checkpointed")]
+
+
+@pytest.mark.slow
+def test_adapters_on_the_experts_alone_train_in_checkpointed_blocks_under_expert_parallelism(runs):
+    """LoRA on the experts alone (router and attention frozen): the first block's experts get no
+    input that needs a gradient, so there the one op, which carries gradients through its inputs,
+    gives way to the eager dispatch; every adapter's gradient, the first block's too, is bitwise the
+    uncheckpointed run's."""
+    plain, checkpointed = runs("experts-only lora ep 2"), runs("experts-only lora ep 2, ratio 1")
+    assert checkpointed["loss"] == plain["loss"]
+    first = [name for name in plain["grads"] if "layers.0." in name]
+    assert first and all(plain["grads"][name].abs().sum() > 0 for name in first)
+    assert plain["grads"].keys() == checkpointed["grads"].keys()
+    for name, grad in plain["grads"].items():
+        assert torch.equal(checkpointed["grads"][name], grad), name
 
 
 @pytest.mark.slow
