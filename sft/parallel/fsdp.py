@@ -57,7 +57,7 @@ class GradientsInComputePool:
 
 def whole_frozen(module: nn.Module, shard_ranks: int, cfg: FSDPConfig) -> set[nn.Parameter]:
     """The frozen parameters of `module` FSDP leaves alone: where it shards them over one rank (one GPU,
-    replicas only, or under expert parallelism each ep rank's own experts) and keeps the shards on the
+    replicas only; each ep rank's own experts: `experts_outside_fsdp`) and keeps the shards on the
     GPU, a frozen parameter already in fsdp.param_dtype (LoRA's base) has nothing to shard, cast or
     reduce, and FSDP would only copy it into its all-gather buffer before each block's forward and
     backward: on one H200 the whole Qwen3-30B-A3B's LoRA step copied its 1.2 GB of experts a block
@@ -108,8 +108,7 @@ def apply_fsdp(root: nn.Module, blocks: list[nn.Module], dims: ParallelDims, cfg
                     continue
                 fully_shard(sparse.experts, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
                             **{**options, "mesh": dims.expert_fsdp_mesh, "shard_placement_fn":
-                               moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep), "ignored_params":
-                               ignored | whole_frozen(sparse.experts, dims.expert_fsdp_mesh.size(), cfg)})
+                               moe.shard_placement(dims.expert_fsdp_mesh.size(), dims.ep)})
         # The last block's parameters are needed again first thing in backward: keep them.
         fully_shard(block, reshard_after_forward=cfg.reshard_after_forward and i < len(blocks) - 1,
                     shard_placement_fn=moe.shard_placement(dims.shard_ranks) if moe else None, **options)
